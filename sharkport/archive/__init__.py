@@ -1,0 +1,137 @@
+"""Datasets: a model's weights (Theta) with its metadata, from an .irpa or straight from a GGUF."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ..errors import SharkportError
+from ..formats.gguf import GgufFile, GgufTensor, read_gguf
+from ..quant import BLOCK_TYPES, PLAIN_TYPES, check_supported
+from .irpa import ARCHIVE_VERSION, Entry, read_archive, weight_entries, write_archive
+from .tensors import QuantizedTensor, Theta, Weight
+
+__all__ = ["Dataset", "QuantizedTensor", "Theta", "Weight", "import_gguf", "gguf_archive_metadata"]
+
+
+@dataclass
+class Dataset:
+    """Everything needed to build, export and tokenize a model.
+
+    `metadata` has `hparams` (GGUF keys such as `llama.block_count`), `tokenizer`
+    (`tokenizer.ggml.*` keys), `rope_layout` (`interleaved` for GGUF-sourced Q/K, `half` for HF)
+    and `tensors` (name → type, shape, planes)."""
+
+    path: Path
+    metadata: dict[str, Any]
+    theta: Theta
+    _keepalive: Any = field(default=None, repr=False)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Dataset":
+        """Opens an .irpa (memory-mapped) or a .gguf (converted in memory)."""
+        path = Path(path)
+        if _is_gguf(path):
+            gg = read_gguf(path)
+            return cls(path, gguf_archive_metadata(gg), Theta(_gguf_weights(gg)), gg)
+        metadata, weights, archive = read_archive(path)
+        return cls(path, metadata, Theta(weights), archive)
+
+    @property
+    def hparams(self) -> dict[str, Any]:
+        return self.metadata["hparams"]
+
+    @property
+    def architecture(self) -> str:
+        return self.hparams.get("general.architecture", "")
+
+    @property
+    def rope_layout(self) -> str:
+        return self.metadata.get("rope_layout", "interleaved")
+
+    def tokenizer(self):
+        """The model's tokenizer (raises SharkportError when the archive carries none)."""
+        from ..tokenizer import Tokenizer
+
+        if not self.metadata.get("tokenizer"):
+            raise SharkportError(f"{self.path}: carries no tokenizer; pass token ids instead of text")
+        return Tokenizer.from_gguf_metadata(self.metadata["tokenizer"])
+
+
+def _is_gguf(path: Path) -> bool:
+    if not path.is_file():
+        raise SharkportError(f"{path}: no such file")
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def gguf_archive_metadata(gg: GgufFile) -> dict[str, Any]:
+    """The archive metadata of a GGUF file; checks every tensor's type first, so an unsupported
+    file fails before anything is written."""
+    for t in gg.tensors:
+        check_supported(t.type_name, f"{gg.path}: tensor {t.name}")
+    hparams = {k: v for k, v in gg.metadata.items() if not k.startswith("tokenizer.")}
+    arch = hparams.get("general.architecture")
+    embd = next((t for t in gg.tensors if t.name == "token_embd.weight"), None)
+    if arch and f"{arch}.vocab_size" not in hparams and embd is not None:
+        hparams[f"{arch}.vocab_size"] = embd.shape[0]
+    return {
+        "sharkport_archive": ARCHIVE_VERSION,
+        "source": gg.path.name,
+        "hparams": hparams,
+        "tokenizer": {k: v for k, v in gg.metadata.items() if k.startswith("tokenizer.")},
+        # llama.cpp's converter permutes Q/K so that rotary pairs are adjacent (interleaved).
+        "rope_layout": "interleaved",
+        "tensors": {t.name: _layout(t.type_name, t.shape) for t in gg.tensors},
+    }
+
+
+def _layout(type_name: str, shape: tuple[int, ...]) -> dict[str, Any]:
+    layout: dict[str, Any] = {"type": type_name, "shape": list(shape)}
+    if type_name in BLOCK_TYPES:
+        layout["planes"] = [f for f, _, _ in BLOCK_TYPES[type_name].fields]
+    return layout
+
+
+def _raw_bytes(t: GgufTensor) -> np.ndarray:
+    return t.data.reshape(-1).view(np.uint8)
+
+
+def _gguf_weights(gg: GgufFile) -> dict[str, Weight]:
+    weights: dict[str, Weight] = {}
+    for t in gg.tensors:
+        raw = _raw_bytes(t)
+        if t.type_name in PLAIN_TYPES:
+            np_dtype, torch_dtype = PLAIN_TYPES[t.type_name]
+            weights[t.name] = torch.from_numpy(raw.copy().view(np_dtype)).view(torch_dtype).reshape(t.shape)
+        else:
+            planes = BLOCK_TYPES[t.type_name].unpack(raw, t.shape)
+            weights[t.name] = QuantizedTensor(
+                t.type_name, t.shape, {k: torch.from_numpy(v) for k, v in planes.items()}
+            )
+    return weights
+
+
+def import_gguf(gguf_path: str | os.PathLike, irpa_path: str | os.PathLike, progress: bool = True) -> dict[str, Any]:
+    """GGUF → .irpa, streamed tensor by tensor and written atomically. Returns the metadata."""
+    gg = read_gguf(gguf_path)
+    irpa_path = Path(irpa_path)
+    if irpa_path.exists() and irpa_path.resolve() == gg.path.resolve():
+        raise SharkportError(f"{irpa_path}: refusing to overwrite the input file; choose another --save path")
+    metadata = gguf_archive_metadata(gg)
+
+    def entries() -> Iterator[Entry]:
+        for t in gg.tensors:
+            yield from weight_entries(t.name, t.type_name, t.shape, _raw_bytes(t), gg.path, t.offset)
+
+    total = sum(t.n_bytes for t in gg.tensors)
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"import {gg.path.name}",
+              disable=not progress) as bar:
+        write_archive(irpa_path, entries(), metadata, progress=bar)
+    return metadata

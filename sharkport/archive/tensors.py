@@ -1,0 +1,55 @@
+"""Weights as the model code sees them: plain torch tensors, or quantized planes kept packed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..quant import BLOCK_TYPES
+
+
+@dataclass
+class QuantizedTensor:
+    """A block-quantized tensor of logical `shape`, held as its planes (see sharkport.quant)."""
+
+    type_name: str
+    shape: tuple[int, ...]
+    planes: dict[str, torch.Tensor]
+
+    def dequant(self) -> torch.Tensor:
+        """float32 values of `shape`."""
+        return BLOCK_TYPES[self.type_name].dequant(self.planes)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantizes only the rows `ids` of a 2-D tensor: [*ids.shape, shape[-1]] float32."""
+        return BLOCK_TYPES[self.type_name].dequant({k: p[ids] for k, p in self.planes.items()})
+
+
+Weight = torch.Tensor | QuantizedTensor
+
+
+class Theta:
+    """Named weights under GGUF names, with prefix views: `theta("blk", 3)["attn_q.weight"]`."""
+
+    def __init__(self, tensors: dict[str, Weight], prefix: str = ""):
+        self._tensors = tensors
+        self._prefix = prefix
+
+    def __call__(self, *parts: str | int) -> "Theta":
+        return Theta(self._tensors, self._prefix + "".join(f"{p}." for p in parts))
+
+    def __getitem__(self, name: str) -> Weight:
+        return self._tensors[self._prefix + name]
+
+    def get(self, name: str) -> Weight | None:
+        return self._tensors.get(self._prefix + name)
+
+    def __contains__(self, name: str) -> bool:
+        return self._prefix + name in self._tensors
+
+    def names(self) -> list[str]:
+        return [n[len(self._prefix):] for n in self._tensors if n.startswith(self._prefix)]
+
+    def items(self):
+        return ((n, t) for n, t in self._tensors.items() if n.startswith(self._prefix))

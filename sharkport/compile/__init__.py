@@ -1,0 +1,42 @@
+"""Compile exported MLIR to a .vmfb with IREE, from target presets."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import iree.compiler
+
+from ..archive.irpa import atomic_output
+from ..errors import SharkportError
+
+# Presets name whole flag sets; `extra_flags` passes anything else straight to iree-compile.
+TARGETS: dict[str, list[str]] = {
+    "llvm-cpu": [
+        "--iree-hal-target-device=local",
+        "--iree-hal-local-target-device-backends=llvm-cpu",
+        "--iree-llvmcpu-target-cpu=host",
+    ],
+    "cuda": ["--iree-hal-target-device=cuda"],
+    "rocm": ["--iree-hal-target-device=hip"],
+    "vulkan": ["--iree-hal-target-device=vulkan"],
+}
+
+
+def compile_flags(target: str = "llvm-cpu", extra_flags: list[str] | None = None) -> list[str]:
+    if target not in TARGETS:
+        raise SharkportError(f"unknown --target {target!r} (known: {', '.join(TARGETS)})")
+    return TARGETS[target] + list(extra_flags or [])
+
+
+def compile_mlir(mlir_path: str | os.PathLike, vmfb_path: str | os.PathLike,
+                 target: str = "llvm-cpu", extra_flags: list[str] | None = None) -> list[str]:
+    """iree-compile mlir → vmfb (written atomically). Returns the flags used."""
+    flags = compile_flags(target, extra_flags)
+    with atomic_output(vmfb_path) as tmp:
+        try:
+            iree.compiler.compile_file(str(mlir_path), output_file=str(tmp), extra_args=flags)
+        except iree.compiler.CompilerToolError as e:
+            last = str(e).strip().splitlines()[-1] if str(e).strip() else "see above"
+            raise SharkportError(f"{mlir_path}: iree-compile failed ({last}); rerun with --verbose") from e
+    return flags

@@ -1,0 +1,44 @@
+"""The one error type of sharkport, and the wrapper that turns it into a one-line CLI exit.
+
+Every message names the file (and the offset or tensor where it helps) and says what to do,
+so a user who sees only the message can act on it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from typing import Callable
+
+
+class SharkportError(Exception):
+    """A problem with the user's input or environment, reported as one line without traceback."""
+
+
+def cli_main(main: Callable[[list[str] | None], int | None]) -> Callable[[list[str] | None], int]:
+    """Wraps a tool's `main(argv)`: a SharkportError (or a missing file) becomes one line on
+    stderr and exit code 2; `--verbose` in argv or SHARKPORT_VERBOSE=1 keeps the traceback."""
+
+    @functools.wraps(main)
+    def wrapper(argv: list[str] | None = None) -> int:
+        args = sys.argv[1:] if argv is None else argv
+        verbose = "--verbose" in args or os.environ.get("SHARKPORT_VERBOSE") == "1"
+        try:
+            return main(argv) or 0
+        except (SharkportError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
+            if verbose:
+                raise
+            print(f"error: {_one_line(e)}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
+
+    return wrapper
+
+
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.filename is not None:
+        return f"{e.filename}: {e.strerror or e}"
+    return " ".join(str(e).split())

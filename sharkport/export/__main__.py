@@ -1,0 +1,79 @@
+"""python -m sharkport.export: trace prefill/decode to MLIR, write the service config, and
+optionally compile to a .vmfb. Any `--iree-*` flag is passed through to iree-compile."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from ..compile import TARGETS, compile_mlir
+from ..errors import SharkportError, cli_main
+from ..formats.keys import LlamaHParams
+from ..models import DTYPES, ModelConfig
+from ..tools._cli import add_model_source, add_verbose, batch_sizes, load_dataset
+from . import export_model, save_export
+from .abi import ExportConfig
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@cli_main
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m sharkport.export",
+        description="Export a model's paged-KV-cache prefill_bs{N}/decode_bs{N} functions to MLIR "
+                    "with external parameters (scope 'model'), plus the service config JSON. "
+                    "Unrecognised --iree-* flags are passed to iree-compile.")
+    add_model_source(parser)
+    parser.add_argument("--output-mlir", type=Path, required=True, help="where to write the MLIR")
+    parser.add_argument("--output-config", type=Path, required=True, help="where to write the service config JSON")
+    parser.add_argument("--output-vmfb", type=Path, help="also compile the MLIR to this .vmfb")
+    parser.add_argument("--bs-prefill", type=batch_sizes, default=(1, 4), metavar="1,4",
+                        help="prefill batch sizes (default 1,4)")
+    parser.add_argument("--bs-decode", type=batch_sizes, default=(1, 4), metavar="1,4",
+                        help="decode batch sizes (default 1,4)")
+    parser.add_argument("--block-seq-stride", type=int, default=32, help="tokens per cache page (default 32)")
+    parser.add_argument("--device-block-count", type=int, default=256,
+                        help="pages a server should allocate (recorded in the config; default 256)")
+    parser.add_argument("--max-seq-len", type=int,
+                        help="longest sequence served (default: the model's context length)")
+    parser.add_argument("--activation-dtype", choices=list(DTYPES), default="float32")
+    parser.add_argument("--kv-cache-dtype", choices=["float32", "float16"], default="float32")
+    parser.add_argument("--target", choices=list(TARGETS), default="llvm-cpu",
+                        help="compile target preset for --output-vmfb (default llvm-cpu on the host CPU)")
+    add_verbose(parser)
+    args, extra = parser.parse_known_args(argv)
+    unknown = [f for f in extra if not f.startswith("--iree-")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra and not args.output_vmfb:
+        raise SharkportError(f"{extra[0]} is an iree-compile flag; it needs --output-vmfb")
+
+    dataset = load_dataset(args)
+    stride = args.block_seq_stride
+    max_seq_len = args.max_seq_len
+    if max_seq_len is None:
+        max_seq_len = LlamaHParams.from_metadata(dataset.hparams).context_length // stride * stride
+    config = ExportConfig(bs_prefill=args.bs_prefill, bs_decode=args.bs_decode, block_seq_stride=stride,
+                          device_block_count=args.device_block_count, max_seq_len=max_seq_len)
+    model_config = ModelConfig(block_seq_stride=stride, dtype=DTYPES[args.activation_dtype],
+                               kv_cache_dtype=DTYPES[args.kv_cache_dtype])
+    t0 = time.perf_counter()
+    _log(f"exporting {dataset.path.name}: prefill {list(config.bs_prefill)}, decode {list(config.bs_decode)}")
+    output, service = export_model(dataset, config, model_config)
+    save_export(output, service, args.output_mlir, args.output_config)
+    _log(f"wrote {args.output_mlir} and {args.output_config} in {time.perf_counter() - t0:.1f} s")
+    if args.output_vmfb:
+        t0 = time.perf_counter()
+        _log(f"compiling for {args.target} ...")
+        compile_mlir(args.output_mlir, args.output_vmfb, args.target, extra)
+        _log(f"wrote {args.output_vmfb} in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""The exported ABI in one place (DESIGN.md §3): argument names and shapes, dynamic dims, the
+service config JSON. The exporter builds from it and the runner checks inputs against it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import SharkportError
+
+MODULE_NAME = "module"
+ABI_VERSION = 1
+PREFILL_ARGS = ("tokens", "seq_lens", "seq_block_ids", "cache_state")
+DECODE_ARGS = ("tokens", "seq_lens", "start_positions", "seq_block_ids", "cache_state")
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """What to export: batch sizes, page geometry and the longest sequence served."""
+
+    bs_prefill: tuple[int, ...] = (1, 4)
+    bs_decode: tuple[int, ...] = (1, 4)
+    block_seq_stride: int = 32
+    device_block_count: int = 256
+    max_seq_len: int = 2048
+
+    def __post_init__(self):
+        for flag, sizes in (("--bs-prefill", self.bs_prefill), ("--bs-decode", self.bs_decode)):
+            if any(b < 1 for b in sizes) or len(set(sizes)) != len(sizes):
+                raise SharkportError(f"{flag} takes distinct positive batch sizes, got {list(sizes)}")
+        if not self.bs_prefill and not self.bs_decode:
+            raise SharkportError("nothing to export: give --bs-prefill and/or --bs-decode")
+        if self.max_seq_len % self.block_seq_stride:
+            raise SharkportError(
+                f"max_seq_len ({self.max_seq_len}) must be a multiple of --block-seq-stride "
+                f"({self.block_seq_stride})"
+            )
+        if self.device_block_count < 1:
+            raise SharkportError("--device-block-count must be at least 1")
+
+    @property
+    def max_blocks(self) -> int:
+        return self.max_seq_len // self.block_seq_stride
+
+
+def dynamic_shapes(config: ExportConfig, kind: str) -> dict:
+    """torch.export dims: prefill's S is `stride * blocks`; the page count P is always dynamic."""
+    blocks = torch.export.Dim("blocks", min=1, max=config.max_blocks)
+    pages = torch.export.Dim("pages", min=2)
+    if kind == "prefill":
+        seq = config.block_seq_stride * blocks
+        return {"tokens": {1: seq}, "seq_lens": {}, "seq_block_ids": {1: blocks},
+                "cache_state": {0: pages}}
+    return {"tokens": {}, "seq_lens": {}, "start_positions": {}, "seq_block_ids": {1: blocks},
+            "cache_state": {0: pages}}
+
+
+def example_args(config: ExportConfig, kind: str, batch: int, page_elems: int,
+                 cache_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    # Example sizes are chosen distinct from each other and from 1, so that torch.export does
+    # not specialize a dynamic dim to a constant.
+    blocks, pages = 2, 7
+    i64 = torch.int64
+    cache = torch.zeros(pages, page_elems, dtype=cache_dtype)
+    ids = torch.arange(batch * blocks, dtype=i64).reshape(batch, blocks) % pages
+    lens = torch.full((batch,), blocks * config.block_seq_stride - 3, dtype=i64)
+    if kind == "prefill":
+        tokens = torch.zeros(batch, blocks * config.block_seq_stride, dtype=i64)
+        return tokens, lens, ids, cache
+    tokens = torch.zeros(batch, 1, dtype=i64)
+    return tokens, lens, lens - 1, ids, cache
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """The JSON a serving engine (and sharkport's runner) reads beside the module."""
+
+    max_seq_len: int
+    attn_head_dim: int
+    prefill_batch_sizes: list[int]
+    decode_batch_sizes: list[int]
+    transformer_block_count: int
+    attention_head_count_kv: int
+    block_seq_stride: int
+    device_block_count: int
+    kv_cache_dtype: str
+    page_elems: int
+    vocab_size: int
+    module_name: str = MODULE_NAME
+    module_abi_version: int = ABI_VERSION
+    logits_normalization: str = "none"
+    top_k: int | None = None
+    has_prefill_position: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {
+            "module_name": self.module_name,
+            "module_abi_version": self.module_abi_version,
+            "max_seq_len": self.max_seq_len,
+            "attn_head_dim": self.attn_head_dim,
+            "prefill_batch_sizes": self.prefill_batch_sizes,
+            "decode_batch_sizes": self.decode_batch_sizes,
+            "transformer_block_count": self.transformer_block_count,
+            "logits_normalization": self.logits_normalization,
+            "top_k": self.top_k,
+            "has_prefill_position": self.has_prefill_position,
+            "vocab_size": self.vocab_size,
+            "paged_kv_cache": {
+                "attention_head_count_kv": self.attention_head_count_kv,
+                "block_seq_stride": self.block_seq_stride,
+                "device_block_count": self.device_block_count,
+                "kv_cache_dtype": self.kv_cache_dtype,
+                "paged_kv_block_size_elements_per_device": [self.page_elems],
+            },
+            **self.extra,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict, source: str = "config") -> "ServiceConfig":
+        try:
+            kv = d["paged_kv_cache"]
+            return cls(
+                max_seq_len=d["max_seq_len"], attn_head_dim=d["attn_head_dim"],
+                prefill_batch_sizes=list(d["prefill_batch_sizes"]),
+                decode_batch_sizes=list(d["decode_batch_sizes"]),
+                transformer_block_count=d["transformer_block_count"],
+                attention_head_count_kv=kv["attention_head_count_kv"],
+                block_seq_stride=kv["block_seq_stride"],
+                device_block_count=kv["device_block_count"],
+                kv_cache_dtype=kv["kv_cache_dtype"],
+                page_elems=kv["paged_kv_block_size_elements_per_device"][0],
+                vocab_size=d["vocab_size"],
+                module_name=d.get("module_name", MODULE_NAME),
+                module_abi_version=d.get("module_abi_version", ABI_VERSION),
+                logits_normalization=d.get("logits_normalization", "none"),
+                top_k=d.get("top_k"), has_prefill_position=d.get("has_prefill_position", False),
+            )
+        except (KeyError, IndexError, TypeError) as e:
+            raise SharkportError(
+                f"{source}: service config lacks field {e}; re-export with `python -m sharkport.export`"
+            ) from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES[dtype]

@@ -1,0 +1,82 @@
+"""The llama family: RMSNorm, rotary GQA attention over a paged cache, SwiGLU, tied or separate
+output. Hyperparameters come from GGUF keys (see formats/keys.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..archive import Dataset
+from ..errors import SharkportError
+from ..formats.keys import LlamaHParams
+from ..layers import PagedAttention, PagedCache, SwiGLU
+from ..layers.attention import AttentionConfig
+from ..ops import embedding, linear, rms_norm, rope_angles
+from .base import CausalLM, ModelConfig
+
+
+class Llama(CausalLM):
+    def __init__(self, dataset: Dataset, config: ModelConfig):
+        super().__init__()
+        hp = LlamaHParams.from_metadata(dataset.hparams)
+        self.hp, self.config, self.theta = hp, config, dataset.theta
+        self._check_tensors(dataset)
+        self.cache = PagedCache(hp.block_count, hp.head_count_kv, hp.head_dim, config.block_seq_stride)
+        attn = AttentionConfig(hp.head_count, hp.head_count_kv, hp.head_dim, dataset.rope_layout)
+        self.attention = torch.nn.ModuleList(
+            PagedAttention(self.theta("blk", i), attn, self.cache, i) for i in range(hp.block_count)
+        )
+        self.ffn = torch.nn.ModuleList(SwiGLU(self.theta("blk", i)) for i in range(hp.block_count))
+        # Tied embeddings: GGUF files simply omit output.weight.
+        output = self.theta.get("output.weight")
+        self.output = output if output is not None else self.theta["token_embd.weight"]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hp.vocab_size
+
+    @property
+    def context_length(self) -> int:
+        return self.hp.context_length
+
+    def _check_tensors(self, dataset: Dataset) -> None:
+        expected = ["token_embd.weight", "output_norm.weight"] + [
+            f"blk.{i}.{n}.weight" for i in range(self.hp.block_count)
+            for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
+                      "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+        ]
+        missing = [n for n in expected if n not in self.theta]
+        if missing:
+            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            raise SharkportError(
+                f"{dataset.path}: llama model is missing tensors {', '.join(missing[:3])}{more}; "
+                "the file is incomplete or not a llama model"
+            )
+
+    def _rope(self, positions: torch.Tensor):
+        return rope_angles(positions, self.hp.rope_dim, self.hp.rope_freq_base)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        h = rms_norm(h, self.theta["output_norm.weight"], self.hp.rms_eps)
+        return linear(h, self.output).to(torch.float32)
+
+    def _block(self, i: int, h: torch.Tensor, attend) -> torch.Tensor:
+        t = self.theta("blk", i)
+        h = h + attend(self.attention[i], rms_norm(h, t["attn_norm.weight"], self.hp.rms_eps))
+        return h + self.ffn[i](rms_norm(h, t["ffn_norm.weight"], self.hp.rms_eps))
+
+    def prefill(self, tokens, seq_lens, seq_block_ids, cache_state):
+        B, S = tokens.shape
+        positions = torch.arange(S, device=tokens.device).unsqueeze(0).expand(B, S)
+        rope = self._rope(positions)
+        h = embedding(tokens, self.theta["token_embd.weight"], self.config.dtype)
+        for i in range(self.hp.block_count):
+            h = self._block(i, h, lambda attn, x: attn.prefill(x, rope, cache_state, seq_block_ids))
+        return self._logits(h)
+
+    def decode(self, tokens, seq_lens, start_positions, seq_block_ids, cache_state):
+        rope = self._rope(start_positions.unsqueeze(1))
+        h = embedding(tokens, self.theta["token_embd.weight"], self.config.dtype)
+        for i in range(self.hp.block_count):
+            h = self._block(i, h, lambda attn, x: attn.decode(
+                x, rope, cache_state, seq_block_ids, start_positions, seq_lens))
+        return self._logits(h)

@@ -1,0 +1,91 @@
+"""Pure tensor functions shared by every recipe. Shapes: B batch, S sequence, T key positions,
+H heads, Hkv kv heads, D head dim, V vocab. They trace under torch.export as written."""
+
+from __future__ import annotations
+
+import torch
+
+from ..archive.tensors import QuantizedTensor, Weight
+
+
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in `dtype`, adding no graph node when it already is (each traced cast costs export time)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:
+    """A weight as plain values (dequantized in the graph when it is quantized)."""
+    return cast(w.dequant() if isinstance(w, QuantizedTensor) else w, dtype)
+
+
+def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ w[out, in].T → [..., out]. The one place that dispatches on weight type."""
+    y = torch.matmul(x, dense(w, x.dtype).transpose(0, 1))
+    return y if bias is None else y + cast(bias, x.dtype)
+
+
+def embedding(ids: torch.Tensor, w: Weight, dtype: torch.dtype) -> torch.Tensor:
+    """ids [...] → [..., D]; a quantized table dequantizes only the rows it gathers."""
+    return cast(w.rows(ids) if isinstance(w, QuantizedTensor) else w[ids], dtype)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = cast(x, torch.float32)
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return cast(y * cast(w, torch.float32), x.dtype)
+
+
+def rope_angles(positions: torch.Tensor, rope_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [B, S] int → cos, sin [B, S, rope_dim/2] (float32)."""
+    exponents = torch.arange(0, rope_dim, 2, dtype=torch.float32, device=positions.device) / rope_dim
+    inv_freq = 1.0 / (base ** exponents)
+    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq
+    return torch.cos(angles), torch.sin(angles)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> torch.Tensor:
+    """Rotates x [B, S, H, D] by angles [B, S, R/2] over its first R dims.
+
+    `interleaved`: rotary pairs are (2i, 2i+1), as in GGUF files (llama.cpp's converter permutes
+    Q/K rows into that order). `half`: pairs are (i, i + R/2), as in HF checkpoints."""
+    rot_dim = cos.shape[-1] * 2
+    xr, rest = x[..., :rot_dim], x[..., rot_dim:]
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # broadcast over heads
+    if layout == "interleaved":
+        pairs = xr.unflatten(-1, (-1, 2))
+        a, b = pairs[..., 0], pairs[..., 1]
+        out = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
+    elif layout == "half":
+        a, b = xr.chunk(2, dim=-1)
+        out = torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+    else:
+        raise ValueError(f"unknown rope layout {layout!r}")
+    out = cast(out, x.dtype)
+    return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention. q [B, S, H, D], k/v [B, T, Hkv, D], mask [B, 1, S, T] additive
+    (0 or -inf) → [B, S, H, D]. Query head h reads kv head h // (H / Hkv), as in llama."""
+    groups = q.shape[2] // k.shape[2]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=2)
+        v = v.repeat_interleave(groups, dim=2)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, S|T, D]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5) + mask
+    probs = cast(torch.softmax(cast(scores, torch.float32), dim=-1), q.dtype)
+    return torch.matmul(probs, v).transpose(1, 2)
+
+
+def causal_mask(seq_len: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """[1, 1, S, S] additive mask: position i sees keys 0..i."""
+    full = torch.full((seq_len, seq_len), float("-inf"), dtype=dtype, device=device)
+    return torch.triu(full, diagonal=1)[None, None]
+
+
+def length_mask(seq_lens: torch.Tensor, key_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """seq_lens [B] → [B, 1, 1, T] additive mask hiding keys at positions ≥ seq_len."""
+    positions = torch.arange(key_len, device=seq_lens.device)
+    hidden = positions[None, :] >= seq_lens[:, None]
+    zeros = torch.zeros(hidden.shape, dtype=dtype, device=seq_lens.device)
+    return zeros.masked_fill(hidden, float("-inf"))[:, None, None, :]

@@ -1,0 +1,124 @@
+"""ggml block types: how each packs values, split into planes and turned back into floats.
+
+A quantized tensor of numpy shape [..., N] is stored as one plane per field of its ggml block
+struct, in struct order: for Q4_1 (`{f16 d; f16 m; u8 qs[16]}` per 32 values) the planes are
+`d [..., N/32]`, `m [..., N/32]` and `qs [..., N/32, 16]`. `unpack` splits raw GGUF bytes into
+those planes (numpy, at import); `dequant` turns planes back into float32 values (torch, so it
+runs eagerly and inside the traced program alike).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+import torch
+
+from ..errors import SharkportError
+
+# Plain (unquantized) ggml types and their numpy/torch dtypes. BF16 has no numpy dtype; it is
+# carried as raw uint16 bits in numpy and viewed as torch.bfloat16.
+PLAIN_TYPES: dict[str, tuple[np.dtype, torch.dtype]] = {
+    "F32": (np.dtype(np.float32), torch.float32),
+    "F16": (np.dtype(np.float16), torch.float16),
+    "BF16": (np.dtype(np.uint16), torch.bfloat16),
+}
+
+
+@dataclass(frozen=True)
+class BlockType:
+    """One ggml block-quantized type: its block struct as (field, numpy dtype, count) planes."""
+
+    name: str
+    fields: tuple[tuple[str, str, int], ...]
+
+    @property
+    def block_size(self) -> int:
+        return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[self.name]][0]
+
+    @property
+    def type_size(self) -> int:
+        return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[self.name]][1]
+
+    @property
+    def struct(self) -> np.dtype:
+        return np.dtype([(f, dt, (n,)) if n > 1 else (f, dt) for f, dt, n in self.fields])
+
+    def plane_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """Shape and dtype of every plane of a tensor of numpy `shape`."""
+        *outer, n = shape
+        blocks = n // self.block_size
+        return {
+            f: ((*outer, blocks, count) if count > 1 else (*outer, blocks), np.dtype(dt))
+            for f, dt, count in self.fields
+        }
+
+    def unpack(self, raw: np.ndarray, shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+        """Raw block bytes (any uint8 view holding the tensor) → contiguous planes."""
+        *outer, n = shape
+        if n % self.block_size:
+            raise SharkportError(
+                f"{self.name} needs rows that are a multiple of {self.block_size} values, got {n}"
+            )
+        blocks = np.ascontiguousarray(raw).reshape(-1).view(self.struct)
+        blocks = blocks.reshape(*outer, n // self.block_size)
+        return {f: np.ascontiguousarray(blocks[f]) for f, _, _ in self.fields}
+
+    def dequant(self, planes: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Planes → float32 values of shape [..., N]."""
+        q = _DEQUANT[self.name](planes)  # [..., blocks, block_size]
+        return q.flatten(-2)
+
+
+def _scale(t: torch.Tensor) -> torch.Tensor:
+    """Per-block f16 scale [..., blocks] → float32 [..., blocks, 1]."""
+    return t.to(torch.float32).unsqueeze(-1)
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[..., 16] packed bytes → [..., 32] uint8: low nibbles are elements 0..15, high 16..31."""
+    return torch.cat([qs & 0xF, qs >> 4], dim=-1)
+
+
+def _fifth_bit(qh: torch.Tensor) -> torch.Tensor:
+    """[..., 4] bytes holding 32 little-endian bits → [..., 32] uint8 values 0 or 16."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=qh.device)
+    return (((qh.unsqueeze(-1) >> shifts) & 1) << 4).flatten(-2)
+
+
+def _values(q: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    q = q.to(torch.float32)
+    return q - offset if offset else q
+
+
+# Each maps planes to float32 values [..., blocks, block_size], as ggml's dequantize_row_* does.
+_DEQUANT = {
+    "Q8_0": lambda p: _scale(p["d"]) * _values(p["qs"]),
+    "Q4_0": lambda p: _scale(p["d"]) * _values(_nibbles(p["qs"]), 8),
+    "Q4_1": lambda p: _scale(p["d"]) * _values(_nibbles(p["qs"])) + _scale(p["m"]),
+    "Q5_0": lambda p: _scale(p["d"]) * _values(_nibbles(p["qs"]) | _fifth_bit(p["qh"]), 16),
+    "Q5_1": lambda p: _scale(p["d"]) * _values(_nibbles(p["qs"]) | _fifth_bit(p["qh"])) + _scale(p["m"]),
+}
+
+BLOCK_TYPES: dict[str, BlockType] = {
+    t.name: t
+    for t in [
+        BlockType("Q8_0", (("d", "<f2", 1), ("qs", "i1", 32))),
+        BlockType("Q4_0", (("d", "<f2", 1), ("qs", "u1", 16))),
+        BlockType("Q4_1", (("d", "<f2", 1), ("m", "<f2", 1), ("qs", "u1", 16))),
+        BlockType("Q5_0", (("d", "<f2", 1), ("qh", "u1", 4), ("qs", "u1", 16))),
+        BlockType("Q5_1", (("d", "<f2", 1), ("m", "<f2", 1), ("qh", "u1", 4), ("qs", "u1", 16))),
+    ]
+}
+
+SUPPORTED_TYPES = tuple(PLAIN_TYPES) + tuple(BLOCK_TYPES)
+
+
+def check_supported(type_name: str, where: str) -> None:
+    if type_name not in PLAIN_TYPES and type_name not in BLOCK_TYPES:
+        raise SharkportError(
+            f"{where} has ggml type {type_name}, which sharkport cannot import yet "
+            f"(supported: {', '.join(SUPPORTED_TYPES)}); requantize it, e.g. with "
+            "`python -m gguf ...`/llama-quantize, to a supported type"
+        )

