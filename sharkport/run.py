@@ -9,10 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .archive import Dataset
 from .errors import cli_main
-from .runtime.generate import GenerateStats, generate
-from .runtime.session import IreeSession
 from .tools._cli import add_verbose, encode_prompts, print_generations
 
 
@@ -37,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     add_generation_args(parser)
     add_verbose(parser)
     args = parser.parse_args(argv)
+
+    from .archive import Dataset
+    from .runtime.generate import GenerateStats, generate
+    from .runtime.session import IreeSession
 
     tokenizer = Dataset.load(args.irpa_file).tokenizer()
     session = IreeSession(args.vmfb, args.irpa_file, args.config, pages=args.pages, device=args.device)

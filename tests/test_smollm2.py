@@ -25,7 +25,10 @@ PASSAGE = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
     "combined movable metal type, oil-based ink and a wooden press adapted from those used for "
     "wine. Within fifty years, presses were working in more than two hundred European cities, "
-    "and the price of books fell sharply, which helped spread literacy and new ideas."
+    "and the price of books fell sharply, which helped spread literacy and new ideas.\n\n"
+    "Photosynthesis is the process by which green plants use sunlight, water and carbon dioxide "
+    "to make glucose and oxygen. It takes place mostly in the leaves, inside chloroplasts, where "
+    "the pigment chlorophyll absorbs red and blue light and reflects green."
 )
 NEW_TOKENS = 32
 
@@ -62,26 +65,31 @@ def test_eager_recipe_matches_transformers(smollm2_irpa, smollm2_hf):
 
 
 @pytest.fixture(scope="module")
+def hf_continuations(smollm2_hf):
+    """transformers' greedy continuation of each prompt: (prompt ids, new ids)."""
+    hf, tok = smollm2_hf
+    return [(tok(p).input_ids, hf_greedy(hf, tok(p).input_ids, NEW_TOKENS)) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
 def session(smollm2_compiled):
     vmfb, irpa, config = smollm2_compiled
     return IreeSession(vmfb, irpa, config)
 
 
-def test_greedy_continuations_equal_transformers(session, smollm2_irpa, smollm2_hf):
-    hf, tok = smollm2_hf
+def test_greedy_continuations_equal_transformers(session, smollm2_irpa, smollm2_hf, hf_continuations):
+    _, tok = smollm2_hf
     ours_tok = Dataset.load(smollm2_irpa).tokenizer()
     prompts = [ours_tok.encode(p) for p in PROMPTS]
-    assert prompts == [tok(p).input_ids for p in PROMPTS]
+    assert prompts == [p for p, _ in hf_continuations]
     ours = generate(session, prompts, NEW_TOKENS)
-    for p, got in zip(prompts, ours):
-        expected = hf_greedy(hf, p, NEW_TOKENS)
+    for (p, expected), got in zip(hf_continuations, ours):
         assert got == expected, f"{tok.decode(p)!r}: {tok.decode(got)!r} != {tok.decode(expected)!r}"
 
 
-def test_teacher_forced_top1_agreement(session, smollm2_hf):
+def test_teacher_forced_top1_agreement(session, smollm2_hf, hf_continuations):
     hf, tok = smollm2_hf
-    sequences = [tok(PASSAGE).input_ids] + [tok(p).input_ids + hf_greedy(hf, tok(p).input_ids, NEW_TOKENS)
-                                            for p in PROMPTS]
+    sequences = [tok(PASSAGE).input_ids] + [p + new for p, new in hf_continuations]
     stride = session.config.block_seq_stride
     agree = total = 0
     for i, ids in enumerate(sequences):

@@ -109,7 +109,8 @@ def _gguf_weights(gg: GgufFile) -> dict[str, Weight]:
         raw = _raw_bytes(t)
         if t.type_name in PLAIN_TYPES:
             np_dtype, torch_dtype = PLAIN_TYPES[t.type_name]
-            weights[t.name] = torch.from_numpy(raw.copy().view(np_dtype)).view(torch_dtype).reshape(t.shape)
+            values = torch.from_numpy(raw.copy().view(np_dtype))
+            weights[t.name] = values.view(getattr(torch, torch_dtype)).reshape(t.shape)
         else:
             planes = BLOCK_TYPES[t.type_name].unpack(raw, t.shape)
             weights[t.name] = QuantizedTensor(

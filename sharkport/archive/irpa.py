@@ -19,7 +19,6 @@ from typing import Any, Iterable, Iterator
 import iree.runtime as rt
 import numpy as np
 import torch
-from iree.turbine.aot import ParameterArchive
 
 from ..errors import SharkportError
 from ..quant import BLOCK_TYPES, PLAIN_TYPES
@@ -126,7 +125,7 @@ def weight_entries(name: str, weight_type: str, shape: tuple[int, ...], raw: np.
     """The archive entries of one GGUF tensor given its raw bytes (and, for plain types, where
     those bytes sit in `file`, so they are copied from disk rather than through memory)."""
     if weight_type in PLAIN_TYPES:
-        dtype = PLAIN_TYPES[weight_type][1]
+        dtype = getattr(torch, PLAIN_TYPES[weight_type][1])
         if file is not None:
             return [Entry(name, dtype, shape, file=file, offset=offset)]
         return [Entry(name, dtype, shape, data=raw)]
@@ -137,8 +136,10 @@ def weight_entries(name: str, weight_type: str, shape: tuple[int, ...], raw: np.
     ]
 
 
-def read_archive(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Weight], ParameterArchive]:
+def read_archive(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Weight], Any]:
     """Memory-maps an .irpa → (metadata, weights by GGUF name, the archive that keeps the map alive)."""
+    from iree.turbine.aot import ParameterArchive  # slow to import; only readers need it
+
     path = Path(path)
     if not path.is_file():
         raise SharkportError(f"{path}: no such file; pass an .irpa made by `sharkport.tools.dump_gguf --save`")

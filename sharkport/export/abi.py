@@ -5,15 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from ..errors import SharkportError
 
 MODULE_NAME = "module"
 ABI_VERSION = 1
 PREFILL_ARGS = ("tokens", "seq_lens", "seq_block_ids", "cache_state")
 DECODE_ARGS = ("tokens", "seq_lens", "start_positions", "seq_block_ids", "cache_state")
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 @dataclass(frozen=True)
@@ -47,6 +44,8 @@ class ExportConfig:
 
 def dynamic_shapes(config: ExportConfig, kind: str) -> dict:
     """torch.export dims: prefill's S is `stride * blocks`; the page count P is always dynamic."""
+    import torch
+
     blocks = torch.export.Dim("blocks", min=1, max=config.max_blocks)
     pages = torch.export.Dim("pages", min=2)
     if kind == "prefill":
@@ -57,8 +56,10 @@ def dynamic_shapes(config: ExportConfig, kind: str) -> dict:
             "cache_state": {0: pages}}
 
 
-def example_args(config: ExportConfig, kind: str, batch: int, page_elems: int,
-                 cache_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+def example_args(config: ExportConfig, kind: str, batch: int, page_elems: int, cache_dtype):
+    """Example tensors for tracing one function (`cache_dtype` a torch dtype)."""
+    import torch
+
     # Example sizes are chosen distinct from each other and from 1, so that torch.export does
     # not specialize a dynamic dim to a constant.
     blocks, pages = 2, 7
@@ -144,5 +145,6 @@ class ServiceConfig:
             ) from None
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return _DTYPE_NAMES[dtype]
+def dtype_name(dtype) -> str:
+    """torch.float16 → "float16", as the service config spells dtypes."""
+    return str(dtype).removeprefix("torch.")

@@ -65,16 +65,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: st
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Grouped-query attention. q [B, S, H, D], k/v [B, T, Hkv, D], mask [B, 1, S, T] additive
-    (0 or -inf) → [B, S, H, D]. Query head h reads kv head h // (H / Hkv), as in llama."""
-    groups = q.shape[2] // k.shape[2]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=2)
-        v = v.repeat_interleave(groups, dim=2)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, S|T, D]
-    scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5) + mask
+    """Grouped-query attention. q [B, S, H, D], k/v [B, T, Hkv, D], mask [B|1, 1, S|1, T] additive
+    (0 or -inf) → [B, S, H, D]. Query head h reads kv head h // G (G = H / Hkv), as in llama.
+
+    The G query heads of a kv head are folded into the sequence axis ([B, Hkv, G*S, D]), so K and
+    V are used as they are, never repeated: less memory traffic, and plain batched matmuls that
+    IREE's data-tiled codegen handles (repeat_interleave in front of them trips it)."""
+    B, S, H, D = q.shape
+    T, Hkv = k.shape[1], k.shape[2]
+    G = H // Hkv
+    q = q.view(B, S, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * S, D)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, D]
+    if mask.shape[2] != 1 and G > 1:  # a per-query mask repeats for each group folded into rows
+        mask = mask.repeat(1, 1, G, 1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (D ** -0.5) + mask  # [B, Hkv, G*S, T]
     probs = cast(torch.softmax(cast(scores, torch.float32), dim=-1), q.dtype)
-    return torch.matmul(probs, v).transpose(1, 2)
+    out = torch.matmul(probs, v)  # [B, Hkv, G*S, D]
+    return out.unflatten(2, (G, S)).permute(0, 3, 1, 2, 4).reshape(B, S, H, D)
 
 
 def causal_mask(seq_len: int, dtype: torch.dtype, device=None) -> torch.Tensor:

@@ -4,7 +4,8 @@ A quantized tensor of numpy shape [..., N] is stored as one plane per field of i
 struct, in struct order: for Q4_1 (`{f16 d; f16 m; u8 qs[16]}` per 32 values) the planes are
 `d [..., N/32]`, `m [..., N/32]` and `qs [..., N/32, 16]`. `unpack` splits raw GGUF bytes into
 those planes (numpy, at import); `dequant` turns planes back into float32 values (torch, so it
-runs eagerly and inside the traced program alike).
+runs eagerly and inside the traced program alike; see dequant.py). This module needs no torch,
+so tools that only inspect files start quickly.
 """
 
 from __future__ import annotations
@@ -13,16 +14,15 @@ from dataclasses import dataclass
 
 import gguf
 import numpy as np
-import torch
 
 from ..errors import SharkportError
 
-# Plain (unquantized) ggml types and their numpy/torch dtypes. BF16 has no numpy dtype; it is
-# carried as raw uint16 bits in numpy and viewed as torch.bfloat16.
-PLAIN_TYPES: dict[str, tuple[np.dtype, torch.dtype]] = {
-    "F32": (np.dtype(np.float32), torch.float32),
-    "F16": (np.dtype(np.float16), torch.float16),
-    "BF16": (np.dtype(np.uint16), torch.bfloat16),
+# Plain (unquantized) ggml types: numpy dtype of their bytes, and torch dtype name. BF16 has no
+# numpy dtype; it is carried as raw uint16 bits in numpy and viewed as torch.bfloat16.
+PLAIN_TYPES: dict[str, tuple[np.dtype, str]] = {
+    "F32": (np.dtype(np.float32), "float32"),
+    "F16": (np.dtype(np.float16), "float16"),
+    "BF16": (np.dtype(np.uint16), "bfloat16"),
 }
 
 
@@ -65,41 +65,12 @@ class BlockType:
         blocks = blocks.reshape(*outer, n // self.block_size)
         return {f: np.ascontiguousarray(blocks[f]) for f, _, _ in self.fields}
 
-    def dequant(self, planes: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Planes → float32 values of shape [..., N]."""
-        q = _DEQUANT[self.name](planes)  # [..., blocks, block_size]
-        return q.flatten(-2)
+    def dequant(self, planes: dict):
+        """Planes (torch tensors) → float32 values of shape [..., N]."""
+        from .dequant import DEQUANT
 
+        return DEQUANT[self.name](planes).flatten(-2)  # [..., blocks, block_size] → [..., N]
 
-def _scale(t: torch.Tensor) -> torch.Tensor:
-    """Per-block f16 scale [..., blocks] → float32 [..., blocks, 1]."""
-    return t.to(torch.float32).unsqueeze(-1)
-
-
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """[..., 16] packed bytes → [..., 32] uint8: low nibbles are elements 0..15, high 16..31."""
-    return torch.cat([qs & 0xF, qs >> 4], dim=-1)
-
-
-def _fifth_bit(qh: torch.Tensor) -> torch.Tensor:
-    """[..., 4] bytes holding 32 little-endian bits → [..., 32] uint8 values 0 or 16."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=qh.device)
-    return (((qh.unsqueeze(-1) >> shifts) & 1) << 4).flatten(-2)
-
-
-def _values(q: torch.Tensor, offset: int = 0) -> torch.Tensor:
-    q = q.to(torch.float32)
-    return q - offset if offset else q
-
-
-# Each maps planes to float32 values [..., blocks, block_size], as ggml's dequantize_row_* does.
-_DEQUANT = {
-    "Q8_0": lambda p: _scale(p["d"]) * _values(p["qs"]),
-    "Q4_0": lambda p: _scale(p["d"]) * _values(_nibbles(p["qs"]), 8),
-    "Q4_1": lambda p: _scale(p["d"]) * _values(_nibbles(p["qs"])) + _scale(p["m"]),
-    "Q5_0": lambda p: _scale(p["d"]) * _values(_nibbles(p["qs"]) | _fifth_bit(p["qh"]), 16),
-    "Q5_1": lambda p: _scale(p["d"]) * _values(_nibbles(p["qs"]) | _fifth_bit(p["qh"])) + _scale(p["m"]),
-}
 
 BLOCK_TYPES: dict[str, BlockType] = {
     t.name: t

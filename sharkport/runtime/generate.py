@@ -82,6 +82,10 @@ def generate(session: Session, prompts: list[list[int]], max_new_tokens: int,
     at the first EOS (included) or after max_new_tokens. `on_token(prompt_index, id)` sees each
     new token as it is chosen."""
     stats = stats if stats is not None else GenerateStats()
+    if max_new_tokens < 0:
+        raise SharkportError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if max_new_tokens == 0:
+        return [[] for _ in prompts]
     if any(len(p) == 0 for p in prompts):
         raise SharkportError("empty prompt: give at least one token (or a BOS token)")
     config = session.config

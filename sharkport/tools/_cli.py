@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..archive import Dataset
 from ..errors import SharkportError
 
 
@@ -19,7 +18,9 @@ def add_verbose(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
 
 
-def load_dataset(args: argparse.Namespace) -> Dataset:
+def load_dataset(args: argparse.Namespace):
+    from ..archive import Dataset  # torch loads only once the arguments are known to be good
+
     return Dataset.load(args.gguf_file or args.irpa_file)
 
 

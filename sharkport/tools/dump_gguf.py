@@ -12,10 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..archive import gguf_archive_metadata, import_gguf
 from ..errors import cli_main
 from ..formats.gguf import GgufFile, read_gguf
-from ._cli import add_verbose
+from ..quant import check_supported
 
 _ARRAY_HEAD = 3
 _TEXT_HEAD = 60
@@ -77,16 +76,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="write the parameter archive here (atomically; quantized tensors stay packed)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--quiet", action="store_true", help="print no report (with --save)")
-    add_verbose(parser)
+    parser.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     args = parser.parse_args(argv)
 
     gg = read_gguf(args.gguf_file)
+    for t in gg.tensors:  # before anything is written
+        check_supported(t.type_name, f"{gg.path}: tensor {t.name}")
     if args.save:
+        from ..archive import import_gguf  # torch and IREE load only when needed
+
         t0 = time.perf_counter()
         import_gguf(args.gguf_file, args.save, progress=sys.stderr.isatty())
         print(f"wrote {args.save} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    else:
-        gguf_archive_metadata(gg)  # reports unsupported tensor types without writing anything
     if not args.quiet:
         rep = report(gg)
         print(json.dumps(rep, indent=2)) if args.json else print_report(rep)

@@ -9,12 +9,7 @@ import argparse
 import sys
 
 from ..errors import cli_main
-from ..export import service_config
-from ..export.abi import ExportConfig
-from ..models import ModelConfig, build_model
 from ..run import add_generation_args
-from ..runtime.generate import GenerateStats, generate
-from ..runtime.session import EagerSession
 from ._cli import add_model_source, add_verbose, encode_prompts, load_dataset, print_generations
 
 
@@ -29,6 +24,12 @@ def main(argv: list[str] | None = None) -> int:
     add_generation_args(parser)
     add_verbose(parser)
     args = parser.parse_args(argv)
+
+    from ..export import service_config
+    from ..export.abi import ExportConfig
+    from ..models import ModelConfig, build_model
+    from ..runtime.generate import GenerateStats, generate
+    from ..runtime.session import EagerSession
 
     dataset = load_dataset(args)
     tokenizer = dataset.tokenizer()

@@ -1,0 +1,86 @@
+"""The exporter: traces a recipe with iree-turbine's FxProgramsBuilder into one MLIR module."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from iree.turbine import aot
+from iree.turbine.aot import ExternalTensorTrait, FxProgramsBuilder
+
+from ..archive import Dataset, QuantizedTensor
+from ..archive.irpa import atomic_output
+from ..models import CausalLM, ModelConfig, build_model
+from .abi import (ExportConfig, ServiceConfig, dtype_name, dynamic_shapes, example_args)
+
+PARAMETER_SCOPE = "model"
+
+__all__ = ["ExportConfig", "ServiceConfig", "export_model", "externalize", "save_export"]
+
+
+def externalize(dataset: Dataset) -> None:
+    """Marks every weight (and every plane of a quantized one) as the archive parameter
+    `model::<gguf name>[:<plane>]`, so the traced program loads it by name instead of inlining it."""
+    for name, w in dataset.theta.items():
+        if isinstance(w, QuantizedTensor):
+            for plane, t in w.planes.items():
+                ExternalTensorTrait(PARAMETER_SCOPE, f"{name}:{plane}").set(t)
+        else:
+            ExternalTensorTrait(PARAMETER_SCOPE, name).set(w)
+
+
+def service_config(model: CausalLM, config: ExportConfig) -> ServiceConfig:
+    cache = model.cache
+    return ServiceConfig(
+        max_seq_len=config.max_seq_len,
+        attn_head_dim=cache.head_dim,
+        prefill_batch_sizes=list(config.bs_prefill),
+        decode_batch_sizes=list(config.bs_decode),
+        transformer_block_count=cache.block_count,
+        attention_head_count_kv=cache.kv_heads,
+        block_seq_stride=cache.stride,
+        device_block_count=config.device_block_count,
+        kv_cache_dtype=dtype_name(model.config.kv_cache_dtype),
+        page_elems=cache.page_elems,
+        vocab_size=model.vocab_size,
+    )
+
+
+def export_model(dataset: Dataset, config: ExportConfig,
+                 model_config: ModelConfig | None = None) -> tuple[aot.ExportOutput, ServiceConfig]:
+    """Traces the dataset's recipe into one MLIR module with a prefill and a decode function per
+    batch size. Returns turbine's export output (save_mlir / mlir_module) and the service config."""
+    model_config = model_config or ModelConfig(block_seq_stride=config.block_seq_stride)
+    model = build_model(dataset, model_config)
+    externalize(dataset)
+    page_elems, cache_dtype = model.cache.page_elems, model_config.kv_cache_dtype
+    fxb = FxProgramsBuilder(model)
+
+    for bs in config.bs_prefill:
+        @fxb.export_program(name=f"prefill_bs{bs}", strict=False,
+                            args=example_args(config, "prefill", bs, page_elems, cache_dtype),
+                            dynamic_shapes=dynamic_shapes(config, "prefill"))
+        def _prefill(module, tokens, seq_lens, seq_block_ids, cache_state):
+            return module.prefill(tokens, seq_lens, seq_block_ids, cache_state)
+
+    for bs in config.bs_decode:
+        @fxb.export_program(name=f"decode_bs{bs}", strict=False,
+                            args=example_args(config, "decode", bs, page_elems, cache_dtype),
+                            dynamic_shapes=dynamic_shapes(config, "decode"))
+        def _decode(module, tokens, seq_lens, start_positions, seq_block_ids, cache_state):
+            return module.decode(tokens, seq_lens, start_positions, seq_block_ids, cache_state)
+
+    with torch.no_grad():
+        output = aot.export(fxb)
+    return output, service_config(model, config)
+
+
+def save_export(output: aot.ExportOutput, service: ServiceConfig,
+                mlir_path: str | os.PathLike, config_path: str | os.PathLike) -> None:
+    """Writes the MLIR and the service config JSON, each atomically."""
+    with atomic_output(mlir_path) as tmp:
+        output.save_mlir(tmp)
+    with atomic_output(config_path) as tmp:
+        Path(tmp).write_text(json.dumps(service.to_json(), indent=2) + "\n")

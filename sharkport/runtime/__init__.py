@@ -1,0 +1,1 @@
+"""Running models: IREE and eager sessions, page allocation, the generate loop."""

@@ -1,0 +1,87 @@
+"""Runtime guards: the runner checks every input against the exported ranges before a call
+(IREE does not check dynamic dimensions), and the generate loop owns pages safely."""
+
+import numpy as np
+import pytest
+
+from sharkport.archive import Dataset
+from sharkport.errors import SharkportError
+from sharkport.export import ExportConfig, service_config
+from sharkport.models import ModelConfig, build_model
+from sharkport.runtime.generate import PageAllocator, generate
+from sharkport.runtime.session import EagerSession
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+STRIDE, PAGES, MAX_SEQ = 16, 8, 64
+
+
+@pytest.fixture(scope="module")
+def session(irpa_of):
+    model = build_model(Dataset.load(irpa_of("gqa-untied")), ModelConfig(block_seq_stride=STRIDE))
+    config = ExportConfig(bs_prefill=(1, 4), bs_decode=(4,), block_seq_stride=STRIDE,
+                          device_block_count=PAGES, max_seq_len=MAX_SEQ)
+    return EagerSession(model, service_config(model, config))
+
+
+def i64(*rows):
+    return np.array(rows, np.int64)
+
+
+def prefill_args(batch=1, blocks=1, lens=None, pages=None):
+    tokens = np.ones((batch, blocks * STRIDE), np.int64)
+    lens = np.full(batch, 5, np.int64) if lens is None else lens
+    pages = np.arange(batch * blocks, dtype=np.int64).reshape(batch, blocks) if pages is None else pages
+    return tokens, lens, pages
+
+
+@pytest.mark.parametrize("args, message", [
+    pytest.param(prefill_args(batch=2), "batch size 2 was not exported", id="batch-not-exported"),
+    pytest.param(prefill_args(blocks=5), "exceed max_seq_len 64", id="too-long"),
+    pytest.param(prefill_args(pages=i64([PAGES])), "page indices in 0..7", id="page-past-cache"),
+    pytest.param(prefill_args(pages=i64([-1])), "page indices", id="negative-page"),
+    pytest.param(prefill_args(lens=i64(0)), "seq_lens", id="zero-length"),
+    pytest.param(prefill_args(lens=i64(17)), "seq_lens", id="length-past-tokens"),
+    pytest.param((np.ones((1, 10), np.int64), i64(5), i64([0])), "block_seq_stride", id="ragged-tokens"),
+    pytest.param((np.ones((1, 16), np.int32), i64(5), i64([0])), "int64", id="int32-tokens"),
+    pytest.param((np.full((1, 16), 256, np.int64), i64(5), i64([0])), "token ids", id="token-past-vocab"),
+])
+def test_prefill_inputs_are_checked(session, args, message):
+    with pytest.raises(SharkportError, match=message):
+        session.prefill(*args)
+
+
+def test_decode_positions_are_checked(session):
+    tokens, lens, pages = np.ones((4, 1), np.int64), np.full(4, 5, np.int64), np.zeros((4, 1), np.int64)
+    with pytest.raises(SharkportError, match="start_positions must equal seq_lens - 1"):
+        session.decode(tokens, lens, lens, pages)
+    with pytest.raises(SharkportError, match=r"tokens must be \[batch, 1\]"):
+        session.decode(np.ones((4, 2), np.int64), lens, lens - 1, pages)
+
+
+def test_generate_refuses_prompts_past_max_seq_len(session):
+    with pytest.raises(SharkportError, match="exceeds the exported max_seq_len 64"):
+        generate(session, [[1] * 60], max_new_tokens=8)
+
+
+def test_generate_reports_kv_exhaustion_and_keeps_pages(session):
+    # 4 prompts of 40 + 8 tokens need 3 pages each; the cache has 8.
+    with pytest.raises(SharkportError, match="free pages"):
+        generate(session, [[1] * 40] * 4, max_new_tokens=8)
+    assert generate(session, [[1, 2, 3]], max_new_tokens=2)  # the allocator was not left short
+
+
+def test_generate_zero_new_tokens(session):
+    assert generate(session, [[1, 2, 3], [4, 5]], max_new_tokens=0) == [[], []]
+    with pytest.raises(SharkportError, match="max_new_tokens"):
+        generate(session, [[1]], max_new_tokens=-1)
+
+
+def test_page_allocator_hands_out_every_page_once():
+    allocator = PageAllocator(5)
+    pages = allocator.alloc(3) + allocator.alloc(2)
+    assert sorted(pages) == [0, 1, 2, 3, 4]
+    with pytest.raises(SharkportError, match="0 free pages but 1 are needed"):
+        allocator.alloc(1)
+    allocator.free(pages[:2])
+    assert sorted(allocator.alloc(2)) == sorted(pages[:2])
