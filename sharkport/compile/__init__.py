@@ -12,14 +12,13 @@ from ..errors import SharkportError
 
 # Presets name whole flag sets; `extra_flags` passes anything else straight to iree-compile.
 TARGETS: dict[str, list[str]] = {
-    # Data tiling with ukernels turns matmuls into packed, vectorized kernels: on SmolLM2 (4
-    # layers) prefill of 128 tokens went from 24.5 s to 0.31 s and decode from 305 to 118 ms.
+    # Not --iree-opt-data-tiling: in IREE 3.9 it fails to compile (or miscompiles) attention's
+    # batched matmuls over dynamic lengths ('affine.delinearize_index ... statically
+    # non-positive'), though it makes plain matmuls ~30x faster. See docs/performance.md.
     "llvm-cpu": [
         "--iree-hal-target-device=local",
         "--iree-hal-local-target-device-backends=llvm-cpu",
         "--iree-llvmcpu-target-cpu=host",
-        "--iree-opt-data-tiling=true",
-        "--iree-llvmcpu-enable-ukernels=all",
     ],
     "cuda": ["--iree-hal-target-device=cuda"],
     "rocm": ["--iree-hal-target-device=hip"],

@@ -19,8 +19,13 @@ def dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] @ w[out, in].T → [..., out]. The one place that dispatches on weight type."""
-    y = torch.matmul(x, dense(w, x.dtype).transpose(0, 1))
+    """x [..., in] @ w[out, in].T → [..., out]. The one place that dispatches on weight type.
+
+    Leading dims are flattened so the product is a 2-D mm: traced as a 3-D matmul it becomes a
+    batch matmul over a broadcast copy of the weight, 7x slower in IREE (64 tokens through
+    SmolLM2's 49152x576 output: 11.8 s vs 1.7 s)."""
+    y = torch.mm(x.reshape(-1, x.shape[-1]), dense(w, x.dtype).transpose(0, 1))
+    y = y.reshape(*x.shape[:-1], y.shape[-1])
     return y if bias is None else y + cast(bias, x.dtype)
 
 

@@ -162,7 +162,8 @@ def _prefill(session, allocator: PageAllocator, seqs: list[_Seq], blocks: int,
             s.tokens.append(int(np.argmax(logits[r, len(s.tokens) - 1])))
             stats.generated_tokens += 1
         allocator.free(spare)
-    stats.first_token_s = stats.prefill_s
+        if not stats.first_token_s:  # the first group's first tokens are out now
+            stats.first_token_s = stats.prefill_s
 
 
 def _decode_step(session, seqs: list[_Seq], bs: int, eos_ids, stats: GenerateStats, on_token) -> None:
