@@ -114,3 +114,30 @@ def test_not_an_archive(tmp_path):
     bad.write_bytes(b"\0" * 100)
     with pytest.raises(SharkportError, match="x.irpa"):
         Dataset.load(bad)
+
+
+def test_sigkill_mid_write_leaves_the_old_archive(tmp_path):
+    """A kill while the archive is being written (seen as its hidden temporary file growing)
+    leaves the previous archive byte for byte; the new one only ever appears whole."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    big = np.zeros((4096, 4096), np.float32)  # 64 MiB per tensor
+    write_gguf(tmp_path / "big.gguf", {f"t{i}": ("F32", big.shape, big) for i in range(4)})
+    target = tmp_path / "out.irpa"
+    target.write_bytes(b"the previous archive")
+    code = ("from sharkport.archive import import_gguf; import sys; "
+            "import_gguf(sys.argv[1], sys.argv[2], progress=False)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "big.gguf"), str(target)])
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        partial = [p for p in tmp_path.glob(".out.irpa.*") if p.stat().st_size > 0]
+        if partial:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.001)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the import finished before it could be killed"
+    assert target.read_bytes() == b"the previous archive"
