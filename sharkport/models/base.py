@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SharkportError
+from ..layers.paged_cache import PagedCache
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -34,7 +35,7 @@ class CausalLM(torch.nn.Module):
     Both write K/V into cache_state in place and return float32 logits."""
 
     config: ModelConfig
-    cache: "PagedCache"  # noqa: F821
+    cache: PagedCache
 
     @property
     def vocab_size(self) -> int:

@@ -74,10 +74,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     (0 or -inf) → [B, S, H, D]. Query head h reads kv head h // G (G = H / Hkv), as in llama.
 
     The G query heads of a kv head are folded into the sequence axis ([B, Hkv, G*S, D]), so K and
-    V are used as they are, never repeated: less memory traffic, and plain batched matmuls that
-    IREE's data-tiled codegen handles (repeat_interleave in front of them trips it)."""
+    V are used as they are, never repeated (less memory traffic than repeat_interleave)."""
     B, S, H, D = q.shape
-    T, Hkv = k.shape[1], k.shape[2]
+    Hkv = k.shape[2]
     G = H // Hkv
     q = q.view(B, S, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * S, D)
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, D]
