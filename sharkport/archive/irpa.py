@@ -14,13 +14,14 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import iree.runtime as rt
 import numpy as np
 import torch
 
 from ..errors import SharkportError
+from ..fileio import atomic_output
 from ..quant import BLOCK_TYPES, PLAIN_TYPES
 from .tensors import QuantizedTensor, Weight
 
@@ -73,22 +74,6 @@ def entry_metadata(dtype: torch.dtype, shape: tuple[int, ...]) -> str:
         },
     }
     return "PYTORCH:" + json.dumps(desc)
-
-
-@contextlib.contextmanager
-def atomic_output(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
-    """Yields a temporary path beside `path`; renames it onto `path` only if the block succeeds,
-    so a failure or a kill leaves the old file (or none), never a partial one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix + ".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp)
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def write_archive(path: str | os.PathLike, entries: Iterable[Entry], metadata: dict[str, Any],

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import os
 
-import iree.compiler
-
-from ..archive.irpa import atomic_output
 from ..errors import SharkportError
+from ..fileio import atomic_output
 
 # Presets name whole flag sets; `extra_flags` passes anything else straight to iree-compile.
 TARGETS: dict[str, list[str]] = {
@@ -34,6 +32,8 @@ def compile_flags(target: str = "llvm-cpu", extra_flags: list[str] | None = None
 def compile_mlir(mlir_path: str | os.PathLike, vmfb_path: str | os.PathLike,
                  target: str = "llvm-cpu", extra_flags: list[str] | None = None) -> list[str]:
     """iree-compile mlir → vmfb (written atomically). Returns the flags used."""
+    import iree.compiler  # loaded on use, so importing TARGETS stays cheap
+
     flags = compile_flags(target, extra_flags)
     with atomic_output(vmfb_path) as tmp:
         try:

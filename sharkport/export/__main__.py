@@ -8,12 +8,10 @@ import sys
 import time
 from pathlib import Path
 
+from ..compile import TARGETS
 from ..errors import SharkportError, cli_main
 from ..tools._cli import add_model_source, add_verbose, batch_sizes, load_dataset
-
-# Kept here rather than imported, so that --help and flag errors answer without loading torch/IREE.
-TARGETS = ["llvm-cpu", "cuda", "rocm", "vulkan"]
-DTYPES = ["float32", "float16", "bfloat16"]
+from .abi import DTYPE_NAMES
 
 
 def _log(msg: str) -> None:
@@ -40,9 +38,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="pages a server should allocate (recorded in the config; default 256)")
     parser.add_argument("--max-seq-len", type=int,
                         help="longest sequence served (default: the model's context length)")
-    parser.add_argument("--activation-dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--activation-dtype", choices=DTYPE_NAMES, default="float32")
     parser.add_argument("--kv-cache-dtype", choices=["float32", "float16"], default="float32")
-    parser.add_argument("--target", choices=TARGETS, default="llvm-cpu",
+    parser.add_argument("--target", choices=list(TARGETS), default="llvm-cpu",
                         help="compile target preset for --output-vmfb (default llvm-cpu on the host CPU)")
     add_verbose(parser)
     args, extra = parser.parse_known_args(argv)
@@ -52,9 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     if extra and not args.output_vmfb:
         raise SharkportError(f"{extra[0]} is an iree-compile flag; it needs --output-vmfb")
 
+    import torch
+
     from ..compile import compile_mlir
     from ..formats.keys import LlamaHParams
-    from ..models import DTYPES as TORCH_DTYPES, ModelConfig
+    from ..models import ModelConfig
     from . import export_model, save_export
     from .abi import ExportConfig
 
@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         max_seq_len = LlamaHParams.from_metadata(dataset.hparams).context_length // stride * stride
     config = ExportConfig(bs_prefill=args.bs_prefill, bs_decode=args.bs_decode, block_seq_stride=stride,
                           device_block_count=args.device_block_count, max_seq_len=max_seq_len)
-    model_config = ModelConfig(block_seq_stride=stride, dtype=TORCH_DTYPES[args.activation_dtype],
-                               kv_cache_dtype=TORCH_DTYPES[args.kv_cache_dtype])
+    model_config = ModelConfig(block_seq_stride=stride, dtype=getattr(torch, args.activation_dtype),
+                               kv_cache_dtype=getattr(torch, args.kv_cache_dtype))
     t0 = time.perf_counter()
     _log(f"exporting {dataset.path.name}: prefill {list(config.bs_prefill)}, decode {list(config.bs_decode)}")
     output, service = export_model(dataset, config, model_config)

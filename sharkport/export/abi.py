@@ -3,7 +3,7 @@ service config JSON. The exporter builds from it and the runner checks inputs ag
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..errors import SharkportError
 
@@ -11,6 +11,8 @@ MODULE_NAME = "module"
 ABI_VERSION = 1
 PREFILL_ARGS = ("tokens", "seq_lens", "seq_block_ids", "cache_state")
 DECODE_ARGS = ("tokens", "seq_lens", "start_positions", "seq_block_ids", "cache_state")
+# torch dtype names as the service config spells them (torch.float16 is "float16").
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,6 @@ class ServiceConfig:
     logits_normalization: str = "none"
     top_k: int | None = None
     has_prefill_position: bool = False
-    extra: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {
@@ -116,7 +117,6 @@ class ServiceConfig:
                 "kv_cache_dtype": self.kv_cache_dtype,
                 "paged_kv_block_size_elements_per_device": [self.page_elems],
             },
-            **self.extra,
         }
 
     @classmethod

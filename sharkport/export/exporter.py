@@ -11,7 +11,7 @@ from iree.turbine import aot
 from iree.turbine.aot import ExternalTensorTrait, FxProgramsBuilder
 
 from ..archive import Dataset, QuantizedTensor
-from ..archive.irpa import atomic_output
+from ..fileio import atomic_output
 from ..models import CausalLM, ModelConfig, build_model
 from .abi import (ExportConfig, ServiceConfig, dtype_name, dynamic_shapes, example_args)
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from ..archive import Dataset
 from ..errors import SharkportError
-from .base import DTYPES, CausalLM, ModelConfig
+from .base import CausalLM, ModelConfig
 from .llama import Llama
 
 RECIPES: dict[str, type[CausalLM]] = {
     "llama": Llama,
 }
 
-__all__ = ["CausalLM", "DTYPES", "ModelConfig", "RECIPES", "build_model"]
+__all__ = ["CausalLM", "ModelConfig", "RECIPES", "build_model"]
 
 
 def build_model(dataset: Dataset, config: ModelConfig | None = None) -> CausalLM:

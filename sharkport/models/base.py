@@ -9,8 +9,6 @@ import torch
 from ..errors import SharkportError
 from ..layers.paged_cache import PagedCache
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
 
 @dataclass(frozen=True)
 class ModelConfig:
