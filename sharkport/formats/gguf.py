@@ -1,16 +1,34 @@
-"""GGUF on disk → plain records over memory-mapped views (a thin, checked layer over gguf.GGUFReader)."""
+"""GGUF on disk → plain records over memory-mapped views (a thin, checked layer over gguf.GGUFReader).
+
+Model files come from strangers, so the file's layout is checked before gguf.GGUFReader sees it:
+`_check_layout` walks the header with bounds checks (every count and length is weighed against
+the bytes left, so a hostile length can neither allocate nor loop for long) and checks every
+tensor's type, row size, alignment and data range. Only then does GGUFReader parse the file,
+and anything it still rejects becomes a SharkportError too.
+"""
 
 from __future__ import annotations
 
+import mmap
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
+from gguf.gguf_reader import READER_SUPPORTED_VERSIONS
 
 from ..errors import SharkportError
+
+# Byte size of each scalar metadata type, from the reader's own table.
+_SCALAR_SIZES = {t: np.dtype(np_t).itemsize for t, np_t in gguf.GGUFReader.gguf_scalar_to_np.items()}
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+_HEADER_BYTES = 24  # magic, version, tensor count, kv count
+_MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, smallest value
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # name length, n_dims, type, offset
+_REDOWNLOAD = "the file is truncated or corrupt; re-download or re-convert it"
 
 
 @dataclass(frozen=True)
@@ -38,35 +56,34 @@ class GgufFile:
 
 
 def read_gguf(path: str | os.PathLike) -> GgufFile:
-    """Opens a GGUF file memory-mapped. Raises SharkportError (naming the file) when it is not a
-    readable GGUF, or when any tensor's data lies outside the file."""
+    """Opens a GGUF file memory-mapped. Raises SharkportError naming the file (and the offset or
+    tensor) when it is not a well-formed GGUF: bad magic or version, a header or tensor data
+    cut short, absurd counts or lengths, unknown tensor types, rows that do not fill whole
+    quantization blocks, tensors outside the file or overlapping one another."""
     path = Path(path)
     if not path.is_file():
         raise SharkportError(f"{path}: no such file; pass the path of a .gguf model file")
+    _check_layout(path)
     try:
         reader = gguf.GGUFReader(path, "r")
-    except Exception as e:  # gguf raises ValueError, struct/numpy errors, ... on bad bytes.
+        metadata = {}
+        for key, field in reader.fields.items():
+            if key.startswith("GGUF."):
+                continue
+            value = field.contents()
+            metadata[key] = value.tolist() if isinstance(value, np.ndarray) else value
+    except Exception as e:  # whatever the layout check did not foresee: ValueError, KeyError, ...
         raise SharkportError(
-            f"{path}: not a readable GGUF file ({type(e).__name__}: {e}); "
-            "is the download complete? Re-download or check the file"
+            f"{path}: not a readable GGUF file ({type(e).__name__}: {e}); {_REDOWNLOAD}"
         ) from None
-
-    metadata = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        value = field.contents()
-        metadata[key] = value.tolist() if isinstance(value, np.ndarray) else value
 
     file_size = path.stat().st_size
     tensors = []
     for t in reader.tensors:
         end = int(t.data_offset) + int(t.n_bytes)
-        if end > file_size or t.data.nbytes != t.n_bytes:
-            raise SharkportError(
-                f"{path}: tensor {t.name} needs bytes up to offset {end} but the file has "
-                f"{file_size}; the file is truncated, re-download it"
-            )
+        if end > file_size or t.data.nbytes != t.n_bytes:  # _check_layout makes this unreachable
+            raise SharkportError(f"{path}: tensor {t.name} ends at offset {end} but the file has "
+                                 f"{file_size} bytes; {_REDOWNLOAD}")
         tensors.append(
             GgufTensor(
                 name=t.name,
@@ -78,3 +95,204 @@ def read_gguf(path: str | os.PathLike) -> GgufFile:
             )
         )
     return GgufFile(path=path, metadata=metadata, tensors=tensors)
+
+
+@dataclass(frozen=True)
+class _TensorInfo:
+    name: str
+    info_offset: int  # where the tensor's header entry starts
+    ne: tuple[int, ...]  # ggml order, innermost first
+    type: gguf.GGMLQuantizationType
+    rel_offset: int  # data offset relative to the data section
+
+
+def _check_layout(path: Path) -> None:
+    """Walks the header with bounds checks, then checks the tensors' data ranges."""
+    size = path.stat().st_size
+    if size < _HEADER_BYTES:
+        with open(path, "rb") as f:
+            head = f.read(4)
+        if head != b"GGUF"[: len(head)]:
+            raise SharkportError(f"{path}: not a GGUF file (it does not start with 'GGUF')")
+        raise SharkportError(f"{path}: the {size}-byte file is shorter than a GGUF header "
+                             f"({_HEADER_BYTES} bytes); {_REDOWNLOAD}")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        walker = _HeaderWalker(path, buf)
+        infos, data_start = walker.walk()
+    _check_tensor_data(path, size, infos, data_start, walker.alignment)
+
+
+class _HeaderWalker:
+    """Reads the GGUF header (KV metadata and tensor infos) field by field, never trusting a
+    count or length beyond what the rest of the file could hold."""
+
+    def __init__(self, path: Path, buf: mmap.mmap):
+        self.path, self.buf, self.size, self.pos = path, buf, len(buf), 0
+        self.order = "<"
+        self.alignment = gguf.GGUF_DEFAULT_ALIGNMENT
+
+    def fail(self, at: int, what: str, fix: str = _REDOWNLOAD) -> SharkportError:
+        return SharkportError(f"{self.path}: at offset {at}: {what}; {fix}")
+
+    def take(self, n: int, what: str) -> int:
+        """Advances over n bytes; returns where they start."""
+        start = self.pos
+        if n > self.size - start:
+            raise self.fail(start, f"{what} needs {n} bytes but the file ends at {self.size}")
+        self.pos += n
+        return start
+
+    def unpack(self, fmt: str, what: str) -> int:
+        start = self.take(struct.calcsize(fmt), what)
+        return struct.unpack_from(self.order + fmt, self.buf, start)[0]
+
+    def count(self, what: str, min_item_bytes: int) -> int:
+        """A u64 count of items that each need at least `min_item_bytes` bytes."""
+        at = self.pos
+        n = self.unpack("Q", f"the {what}")
+        if n * min_item_bytes > self.size - self.pos:
+            raise self.fail(at, f"the {what} is {n}, more than the {self.size - self.pos} bytes "
+                                f"left before the end of the file at {self.size} can hold")
+        return n
+
+    def string(self, what: str) -> str:
+        at = self.pos
+        n = self.count(f"length of {what}", 1)
+        start = self.take(n, what)
+        try:
+            return self.buf[start:start + n].decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise self.fail(at, f"{what} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+
+    def value_type(self, what: str) -> gguf.GGUFValueType:
+        at = self.pos
+        raw = self.unpack("I", what)
+        try:
+            return gguf.GGUFValueType(raw)
+        except ValueError:
+            raise self.fail(at, f"{what} is {raw}, not a GGUF value type") from None
+
+    def value(self, key: str, vtype: gguf.GGUFValueType) -> Any:
+        """Skips over one value; returns it only when it is a scalar (general.alignment)."""
+        if vtype == gguf.GGUFValueType.STRING:
+            return self.string(f"the string value of {key}")
+        if vtype in _SCALAR_SIZES:
+            start = self.take(_SCALAR_SIZES[vtype], f"the value of {key}")
+            return self.buf[start:start + _SCALAR_SIZES[vtype]]
+        at = self.pos
+        item = self.value_type(f"the item type of array {key}")
+        if item == gguf.GGUFValueType.ARRAY:
+            raise self.fail(at, f"{key} is an array of arrays, which GGUF readers do not support")
+        if item == gguf.GGUFValueType.STRING:
+            for i in range(self.count(f"item count of array {key}", 8)):
+                self.string(f"item {i} of {key}")
+        else:
+            n = self.count(f"item count of array {key}", _SCALAR_SIZES[item])
+            self.take(n * _SCALAR_SIZES[item], f"the items of {key}")
+        return None
+
+    def walk(self) -> tuple[list[_TensorInfo], int]:
+        if self.buf[:4] != b"GGUF":
+            raise self.fail(0, f"the magic is {bytes(self.buf[:4])!r}, not b'GGUF'",
+                            "this is not a GGUF file; pass a .gguf model file")
+        version = struct.unpack_from("<I", self.buf, 4)[0]
+        if version & 0xFFFF == 0:  # written on a big-endian machine, as GGUFReader reads it
+            self.order = ">"
+            version = struct.unpack_from(">I", self.buf, 4)[0]
+        if version not in READER_SUPPORTED_VERSIONS:
+            raise self.fail(4, f"GGUF version {version} is not supported (supported: "
+                               f"{', '.join(map(str, READER_SUPPORTED_VERSIONS))})",
+                            "convert the model again with a current llama.cpp")
+        self.pos = 8
+        tensor_count = self.unpack("Q", "the tensor count")
+        kv_count = self.unpack("Q", "the metadata key count")
+        for what, n, least in (("tensor count", tensor_count, _MIN_TENSOR_INFO_BYTES),
+                               ("metadata key count", kv_count, _MIN_KV_BYTES)):
+            if n * least > self.size - self.pos:
+                raise self.fail(8 if what == "tensor count" else 16,
+                                f"the {what} is {n}, more than the {self.size}-byte file can hold")
+        keys: set[str] = set()
+        for i in range(kv_count):
+            at = self.pos
+            key = self.string(f"the name of metadata key {i}")
+            if key in keys:
+                raise self.fail(at, f"metadata key {key} appears twice")
+            keys.add(key)
+            vtype = self.value_type(f"the value type of {key}")
+            value = self.value(key, vtype)
+            if key == "general.alignment":
+                self._set_alignment(at, vtype, value)
+        infos = [self._tensor_info(i) for i in range(tensor_count)]
+        names: set[str] = set()
+        for t in infos:
+            if t.name in names:
+                raise self.fail(t.info_offset, f"tensor {t.name} appears twice")
+            names.add(t.name)
+        data_start = -(-self.pos // self.alignment) * self.alignment
+        return infos, data_start
+
+    def _set_alignment(self, at: int, vtype: gguf.GGUFValueType, raw: bytes) -> None:
+        if vtype != gguf.GGUFValueType.UINT32:
+            raise self.fail(at, f"general.alignment has type {vtype.name}, not UINT32")
+        alignment = struct.unpack(self.order + "I", raw)[0]
+        if alignment == 0 or alignment & (alignment - 1):
+            raise self.fail(at, f"general.alignment is {alignment}, not a power of two")
+        self.alignment = alignment
+
+    def _tensor_info(self, i: int) -> _TensorInfo:
+        at = self.pos
+        name = self.string(f"the name of tensor {i}")
+        n_dims = self.unpack("I", f"the dimension count of tensor {name}")
+        if n_dims > _MAX_DIMS:
+            raise self.fail(at, f"tensor {name} has {n_dims} dimensions; GGUF allows at most {_MAX_DIMS}")
+        ne = tuple(self.unpack("Q", f"dimension {d} of tensor {name}") for d in range(n_dims))
+        type_at = self.pos
+        raw_type = self.unpack("I", f"the type of tensor {name}")
+        try:
+            ggml_type = gguf.GGMLQuantizationType(raw_type)
+        except ValueError:
+            raise self.fail(type_at, f"tensor {name} has ggml type {raw_type}, which no known ggml "
+                                     f"type has (gguf {_gguf_version()})",
+                            "the file is corrupt, or newer than this gguf package: upgrade gguf") from None
+        offset = self.unpack("Q", f"the data offset of tensor {name}")
+        return _TensorInfo(name, at, ne, ggml_type, offset)
+
+
+def _check_tensor_data(path: Path, size: int, infos: list[_TensorInfo], data_start: int,
+                       alignment: int) -> None:
+    """Every tensor's rows fill whole blocks of its type, and its bytes lie inside the file,
+    aligned, overlapping no other tensor."""
+    spans = []
+    for t in infos:
+        where = f"{path}: tensor {t.name} (header entry at offset {t.info_offset})"
+        block, type_size = gguf.GGML_QUANT_SIZES[t.type]
+        if t.ne and t.ne[0] % block:
+            raise SharkportError(
+                f"{where}: rows of {t.ne[0]} values are not a whole number of {t.type.name} "
+                f"blocks of {block}; the shape and the type disagree, so the file is corrupt")
+        n_elements = int(np.prod(t.ne, dtype=object)) if t.ne else 1
+        n_bytes = n_elements // block * type_size
+        start = data_start + t.rel_offset
+        if t.rel_offset % alignment:
+            raise SharkportError(
+                f"{where}: its data offset {t.rel_offset} is not a multiple of the file's "
+                f"alignment {alignment}; {_REDOWNLOAD}")
+        end = start + n_bytes
+        if end > size:
+            raise SharkportError(
+                f"{where}: its {n_bytes} bytes at offset {start} end at {end}, past the end of the "
+                f"{size}-byte file; {_REDOWNLOAD}")
+        if n_bytes:
+            spans.append((start, end, t.name))
+    spans.sort()
+    for (s0, e0, n0), (s1, e1, n1) in zip(spans, spans[1:]):
+        if s1 < e0:
+            raise SharkportError(
+                f"{path}: tensors {n0} (offset {s0}..{e0}) and {n1} (offset {s1}..{e1}) overlap; "
+                "the file is corrupt; re-download or re-convert it")
+
+
+def _gguf_version() -> str:
+    from importlib.metadata import version
+
+    return version("gguf")
