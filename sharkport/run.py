@@ -1,6 +1,7 @@
 """python -m sharkport.run: generate text with a compiled module and its parameter archive.
 
     python -m sharkport.run --vmfb x.vmfb --irpa-file x.irpa --config x.json --prompt "..." [--prompt ...]
+        [--do-sample --temperature 0.7 --top-k 50 --top-p 0.9 --seed 0] [--stream] [--chat]
 """
 
 from __future__ import annotations
@@ -10,22 +11,84 @@ import sys
 from pathlib import Path
 
 from .errors import cli_main
-from .tools._cli import add_verbose, encode_prompts, print_generations
+from .tools._cli import add_verbose
 
 
 def add_generation_args(parser: argparse.ArgumentParser) -> None:
+    """The prompt and GenerationConfig flags shared by run and tools.generate."""
     parser.add_argument("--prompt", action="append", required=True,
                         help="a prompt; repeat for a batch (prompts may differ in length)")
-    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
+    parser.add_argument("--chat", action="store_true",
+                        help="format each prompt as a user message with the archive's chat template")
+    g = parser.add_argument_group("generation (greedy unless --do-sample)")
+    g.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
+    g.add_argument("--do-sample", action="store_true", help="sample instead of taking the most likely token")
+    g.add_argument("--temperature", type=float, default=1.0, help="with --do-sample: divide logits by this (0: greedy)")
+    g.add_argument("--top-k", type=int, default=0, help="with --do-sample: keep the k most likely tokens (0: all)")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="with --do-sample: keep the smallest set of likeliest tokens with probability >= p")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="penalize tokens already in the sequence (1.0: off; 1.1-1.3 typical)")
+    g.add_argument("--seed", type=int, help="with --do-sample: make the draws repeat")
+    g.add_argument("--num-return-sequences", type=int, default=1, help="samples per prompt (needs --do-sample)")
+    g.add_argument("--stop", action="append", default=[], help="stop when the text contains this string (repeatable)")
+    g.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    g.add_argument("--no-continuous-batching", action="store_true",
+                   help="start new prompts only when the whole running batch has finished")
     parser.add_argument("--show-ids", action="store_true", help="also print the generated token ids")
+
+
+def generation_options(args: argparse.Namespace) -> dict:
+    return dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
+                top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+                seed=args.seed, num_return_sequences=args.num_return_sequences, stop=tuple(args.stop))
+
+
+def run_generation(generator, args: argparse.Namespace) -> int:
+    """Generates for the parsed flags and prints the text (streamed or at the end), then the
+    timing summary on stderr."""
+    options = generation_options(args)
+    continuous = not args.no_continuous_batching
+    if args.stream:
+        _print_stream(generator.generate(args.prompt, stream=True, chat=args.chat,
+                                         continuous_batching=continuous, **options), args)
+    else:
+        outputs = generator.generate(args.prompt, chat=args.chat, continuous_batching=continuous, **options)
+        for i, out in enumerate(outputs):
+            for j, g in enumerate(out.generations):
+                tag = f" sample {j}" if len(out.generations) > 1 else ""
+                print(f"--- prompt {i}{tag}: {out.prompt!r} (finish: {g.finish_reason})")
+                if args.show_ids:
+                    print(f"tokens: {g.token_ids}")
+                print(g.text if args.chat else out.prompt + g.text)
+    print(generator.stats.summary(), file=sys.stderr)
+    return 0
+
+
+def _print_stream(events, args) -> None:
+    single = len(args.prompt) == 1 and args.num_return_sequences == 1
+    current = None
+    for ev in events:
+        key = (ev.prompt_index, ev.sequence_index)
+        if not single and key != current:
+            print(f"\n[{ev.prompt_index}.{ev.sequence_index}] ", end="")
+        elif single and current is None and not args.chat:
+            print(args.prompt[0], end="")
+        current = key
+        print(ev.text + (f" <{ev.token_id}>" if args.show_ids else ""), end="", flush=True)
+        if single and ev.finish_reason:
+            print(f"\n--- finish: {ev.finish_reason}")
+    if not single:
+        print()
 
 
 @cli_main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m sharkport.run",
-        description="Greedy text generation with a compiled module (.vmfb), its parameters (.irpa) "
-                    "and the service config JSON written by `python -m sharkport.export`.")
+        description="Text generation with a compiled module (.vmfb), its parameters (.irpa) and the "
+                    "service config JSON written by `python -m sharkport.export`. Greedy unless "
+                    "--do-sample; prompts of any length are batched over the exported batch sizes.")
     parser.add_argument("--vmfb", type=Path, required=True)
     parser.add_argument("--irpa-file", type=Path, required=True)
     parser.add_argument("--config", type=Path, required=True, help="the JSON written by --output-config")
@@ -35,19 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     add_verbose(parser)
     args = parser.parse_args(argv)
 
-    from .archive import Dataset
-    from .runtime.generate import GenerateStats, generate
-    from .runtime.session import IreeSession
+    from .api import TextGenerator
 
-    tokenizer = Dataset.load(args.irpa_file).tokenizer()
-    session = IreeSession(args.vmfb, args.irpa_file, args.config, pages=args.pages, device=args.device)
-    prompts = encode_prompts(tokenizer, args.prompt)
-    stats = GenerateStats()
-    eos = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
-    outputs = generate(session, prompts, args.max_new_tokens, eos, stats=stats)
-    print_generations(tokenizer, args.prompt, outputs, args.show_ids)
-    print(stats.summary(), file=sys.stderr)
-    return 0
+    generator = TextGenerator.from_files(args.vmfb, args.irpa_file, args.config, pages=args.pages,
+                                         device=args.device)
+    return run_generation(generator, args)
 
 
 if __name__ == "__main__":

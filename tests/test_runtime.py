@@ -65,9 +65,17 @@ def test_generate_refuses_prompts_past_max_seq_len(session):
 
 
 def test_generate_reports_kv_exhaustion_and_keeps_pages(session):
-    # 4 prompts of 40 + 8 tokens need 3 pages each; the cache has 8.
+    # 4 prompts of 40 + 8 tokens need 3 pages each; the cache has 8, one of them the scratch
+    # page of padding rows. A static group of 4 cannot fit; continuous batching runs 2 at a
+    # time and starts the others when pages are freed.
+    prompts = [[1] * 40] * 4
     with pytest.raises(SharkportError, match="free pages"):
-        generate(session, [[1] * 40] * 4, max_new_tokens=8)
+        generate(session, prompts, max_new_tokens=8, continuous=False)
+    assert generate(session, prompts, max_new_tokens=8) == generate(session, prompts[:1], max_new_tokens=8) * 4
+    # One sequence longer than the whole cache can never run: an error, not a wait.
+    small = EagerSession(session.model, session.config, pages=3)
+    with pytest.raises(SharkportError, match="2 free pages but 4 are needed"):
+        generate(small, [[1] * 60], max_new_tokens=4)
     assert generate(session, [[1, 2, 3]], max_new_tokens=2)  # the allocator was not left short
 
 

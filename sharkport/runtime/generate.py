@@ -1,22 +1,34 @@
-"""One generate loop for every session: page allocation, batched prefill, then decode steps.
+"""One generate loop for every session: a scheduler over the exported batch sizes.
 
-Prompts of different lengths share a batch; each keeps its own length (right padding is never
-attended: prefill is causal and decode masks keys at positions ≥ seq_lens). Batches that are not
-full are topped up with dummy rows that own pages of their own, so they never touch a real
-sequence's cache.
+Every prompt (times `num_return_sequences`) becomes a sequence. A sequence is admitted when a
+row and the cache pages for its whole length (prompt + max_new_tokens) are free; it is
+prefilled with the others admitted at the same time, then decoded one token per step with
+every running sequence, and its pages are freed as soon as it finishes. With continuous
+batching a waiting sequence takes the row (and pages) of a finished one at the next step;
+without it, a new group starts only when the whole previous group has finished.
+
+Calls are padded up to an exported batch size with rows that read and write one scratch page
+that no sequence owns. Prompts of different lengths share a call; each keeps its own length
+(right padding is never attended: prefill is causal and decode masks keys at positions ≥
+seq_lens). Positions past a sequence's end inside its last page hold garbage until decode
+writes them, which it does before attending to them.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 
 from ..errors import SharkportError
-from .session import Session
+from .sampling import GenerationConfig, choose, process_logits
+
+if TYPE_CHECKING:  # sessions load torch / IREE; the loop only calls them
+    from .session import Session
 
 
 class PageAllocator:
@@ -42,147 +54,311 @@ class PageAllocator:
 
 @dataclass
 class GenerateStats:
+    """Wall-clock times of the module calls of one run (host sampling included per step)."""
+
     prefill_s: float = 0.0
+    prefill_calls: int = 0
     prefill_tokens: int = 0
     decode_s: float = 0.0
     decode_steps: int = 0
+    decode_tokens: int = 0  # tokens chosen from decode calls (prefill chooses each first token)
     generated_tokens: int = 0
-    first_token_s: float = 0.0
+    first_token_s: float = 0.0  # from the start of the run to the first token of any sequence
+    total_s: float = 0.0
 
     def summary(self) -> str:
-        lines = [f"prefill: {self.prefill_tokens} tokens in {self.prefill_s * 1e3:.1f} ms "
-                 f"({self.prefill_tokens / max(self.prefill_s, 1e-9):.1f} tokens/s)",
+        lines = [f"prefill: {self.prefill_tokens} tokens in {self.prefill_calls} call(s), "
+                 f"{self.prefill_s * 1e3:.1f} ms ({self.prefill_s / max(self.prefill_calls, 1) * 1e3:.1f} ms "
+                 f"per call, {self.prefill_tokens / max(self.prefill_s, 1e-9):.1f} tokens/s)",
                  f"time to first token: {self.first_token_s * 1e3:.1f} ms"]
         if self.decode_steps:
-            per_step = self.decode_s / self.decode_steps
-            lines.append(f"decode: {self.decode_steps} steps, {per_step * 1e3:.1f} ms/step, "
-                         f"{self.generated_tokens / max(self.decode_s, 1e-9):.1f} tokens/s")
+            lines.append(f"decode: {self.decode_tokens} tokens in {self.decode_steps} steps, "
+                         f"{self.decode_s / self.decode_steps * 1e3:.1f} ms/step, "
+                         f"{self.decode_tokens / max(self.decode_s, 1e-9):.1f} tokens/s, "
+                         f"{self.decode_s / max(self.decode_tokens, 1) * 1e3:.1f} ms per output token")
+        lines.append(f"total: {self.generated_tokens} tokens generated in {self.total_s:.2f} s")
         return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One chosen token of one sequence, as streaming yields it.
+
+    `text` is the text this token completes (may be "" while a multi-byte character or a
+    possible stop string is held back; None without a tokenizer). `finish_reason` is set on the
+    sequence's last event: "stop" (a stop token or string) or "length" (max_new_tokens)."""
+
+    prompt_index: int
+    sequence_index: int
+    token_id: int
+    text: str | None
+    finish_reason: str | None = None
+
+
+@dataclass
+class Generation:
+    """One generated continuation: new token ids (a stop token included), their text (cut
+    before a stop string), why it ended, and with output_scores the raw `logits` and processed
+    `scores` of every step ([V] float32 each)."""
+
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    logits: list[np.ndarray] | None = field(default=None, repr=False)
+    scores: list[np.ndarray] | None = field(default=None, repr=False)
+    time_to_first_token_s: float = 0.0
+    latency_s: float = 0.0
 
 
 @dataclass
 class _Seq:
-    tokens: list[int]
-    prompt_len: int
+    prompt_index: int
+    sequence_index: int
+    prompt: list[int]
+    rng: np.random.Generator
+    tokens: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
-    done: bool = False
+    finish_reason: str | None = None
+    logits: list[np.ndarray] = field(default_factory=list)
+    scores: list[np.ndarray] = field(default_factory=list)
+    decoder: object = None  # tokenizer.StreamDecoder
+    text: str = ""
+    emitted: int = 0  # characters of `text` already streamed
+    first_token_s: float = 0.0
+    latency_s: float = 0.0
+
+    @property
+    def position(self) -> int:
+        """Position of the last token, the input of the next decode step."""
+        return len(self.prompt) + len(self.tokens) - 1
 
 
 def _pick(sizes: list[int], n: int, what: str) -> int:
+    """The smallest exported batch size that holds n rows, else the largest."""
     if not sizes:
-        raise SharkportError(f"the module exports no {what} function")
+        raise SharkportError(f"the module exports no {what} function; re-export with --bs-{what}")
     fitting = [b for b in sorted(sizes) if b >= n]
     return fitting[0] if fitting else max(sizes)
 
 
+class GenerationRun:
+    """Generates continuations of `prompts` (token ids) with `session`. Iterate for TokenEvents
+    as tokens are chosen; `results()` runs to the end and returns, per prompt, its
+    `num_return_sequences` Generations. Pages are returned to the cache when the run ends,
+    also when the caller stops iterating early."""
+
+    def __init__(self, session: Session, prompts: list[list[int]], config: GenerationConfig,
+                 tokenizer=None, continuous: bool = True, stats: GenerateStats | None = None):
+        self.session, self.config, self.tokenizer = session, config, tokenizer
+        self.continuous = continuous
+        self.stats = stats if stats is not None else GenerateStats()
+        if config.stop and tokenizer is None:
+            raise SharkportError("stop strings need a tokenizer; give stop_token_ids instead")
+        c = session.config
+        for i, p in enumerate(prompts):
+            if not p:
+                raise SharkportError(f"prompt {i} is empty: give at least one token (or a BOS token)")
+            if len(p) + config.max_new_tokens > c.max_seq_len:
+                raise SharkportError(
+                    f"prompt {i} has {len(p)} tokens; with {config.max_new_tokens} new tokens it exceeds "
+                    f"the exported max_seq_len {c.max_seq_len}; shorten it or lower --max-new-tokens")
+        self._stride = c.block_seq_stride
+        self._rows = max(c.decode_batch_sizes or c.prefill_batch_sizes)
+        self._seqs = [_Seq(i, j, list(p), _rng(config.seed, i, j))
+                      for i, p in enumerate(prompts) for j in range(config.num_return_sequences)]
+        self._n_prompts = len(prompts)
+        self._events: Iterator[TokenEvent] | None = None
+        self._done = False
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        if self._events is not None:
+            raise SharkportError("a GenerationRun can be iterated only once")
+        self._events = self._run()
+        return self._events
+
+    def results(self) -> list[list[Generation]]:
+        if not self._done:
+            for _ in (self if self._events is None else self._events):
+                pass
+        out: list[list[Generation]] = [[] for _ in range(self._n_prompts)]
+        for s in self._seqs:
+            scores = self.config.output_scores
+            out[s.prompt_index].append(Generation(
+                s.tokens, s.text if self.tokenizer is not None else None, s.finish_reason,
+                s.logits if scores else None, s.scores if scores else None, s.first_token_s, s.latency_s))
+        return out
+
+    # -- scheduling -------------------------------------------------------------------------------
+    def _pages_needed(self, s: _Seq) -> int:
+        return math.ceil((len(s.prompt) + self.config.max_new_tokens) / self._stride)
+
+    def _run(self) -> Iterator[TokenEvent]:
+        self._t0 = t0 = time.perf_counter()
+        if self.config.max_new_tokens == 0:
+            for s in self._seqs:
+                s.finish_reason = "length"
+            self._done = True
+            return
+        allocator = PageAllocator(self.session.pages)
+        self._scratch = allocator.alloc(1)[0]  # written by padding rows only
+        usable = allocator.free_count
+        for s in self._seqs:
+            if self._pages_needed(s) > usable:
+                allocator.alloc(self._pages_needed(s))  # raises the KV exhaustion error
+        waiting, running = deque(self._seqs), []
+        try:
+            while waiting or running:
+                admitted = self._admit(waiting, running, allocator)
+                running += admitted
+                if admitted:
+                    yield from self._prefill(admitted)
+                self._release(running, allocator)
+                if running:
+                    yield from self._decode(running)
+                    self._release(running, allocator)
+            self._done = True
+        finally:
+            for s in running:
+                allocator.free(s.pages)
+            self.stats.total_s += time.perf_counter() - t0
+
+    def _admit(self, waiting: deque, running: list[_Seq], allocator: PageAllocator) -> list[_Seq]:
+        """Sequences that start now, each with the pages for its whole length."""
+        if not self.continuous:  # a whole group, once the previous one has finished
+            if running or not waiting:
+                return []
+            group = [waiting.popleft() for _ in range(min(self._rows, len(waiting)))]
+            pages = allocator.alloc(sum(self._pages_needed(s) for s in group))  # raises if short
+            for s in group:
+                s.pages, pages = pages[:self._pages_needed(s)], pages[self._pages_needed(s):]
+            return group
+        admitted = []  # in arrival order: a long prompt is not overtaken forever by short ones
+        while (waiting and len(running) + len(admitted) < self._rows
+               and self._pages_needed(waiting[0]) <= allocator.free_count):
+            s = waiting.popleft()
+            s.pages = allocator.alloc(self._pages_needed(s))
+            admitted.append(s)
+        return admitted
+
+    @staticmethod
+    def _release(running: list[_Seq], allocator: PageAllocator) -> None:
+        for s in [s for s in running if s.finish_reason]:
+            running.remove(s)
+            allocator.free(s.pages)
+            s.pages = []
+
+    # -- module calls -----------------------------------------------------------------------------
+    def _prefill(self, seqs: list[_Seq]) -> Iterator[TokenEvent]:
+        bs = _pick(self.session.config.prefill_batch_sizes, len(seqs), "prefill")
+        stride = self._stride
+        for start in range(0, len(seqs), bs):
+            part = seqs[start:start + bs]
+            blocks = math.ceil(max(len(s.prompt) for s in part) / stride)
+            tokens = np.zeros((bs, blocks * stride), np.int64)
+            lens = np.ones(bs, np.int64)
+            ids = np.full((bs, blocks), self._scratch, np.int64)
+            for r, s in enumerate(part):
+                tokens[r, :len(s.prompt)] = s.prompt
+                lens[r] = len(s.prompt)
+                own = s.pages[:blocks]
+                ids[r, :len(own)] = own  # a short prompt's tail blocks write to the scratch page
+            t = time.perf_counter()
+            logits = self.session.prefill(tokens, lens, ids)
+            self.stats.prefill_s += time.perf_counter() - t
+            self.stats.prefill_calls += 1
+            self.stats.prefill_tokens += sum(len(s.prompt) for s in part)
+            for r, s in enumerate(part):
+                yield from self._step(s, logits[r, len(s.prompt) - 1])
+
+    def _decode(self, seqs: list[_Seq]) -> Iterator[TokenEvent]:
+        bs = _pick(self.session.config.decode_batch_sizes, len(seqs), "decode")
+        positions = np.zeros(bs, np.int64)
+        positions[:len(seqs)] = [s.position for s in seqs]
+        blocks = int(positions.max()) // self._stride + 1
+        tokens = np.zeros((bs, 1), np.int64)
+        ids = np.full((bs, blocks), self._scratch, np.int64)
+        for r, s in enumerate(seqs):
+            tokens[r, 0] = s.tokens[-1]
+            own = s.pages[:blocks]
+            ids[r, :len(own)] = own  # entries past a row's position are masked
+        t = time.perf_counter()
+        logits = self.session.decode(tokens, positions + 1, positions, ids)
+        self.stats.decode_s += time.perf_counter() - t
+        self.stats.decode_steps += 1
+        self.stats.decode_tokens += len(seqs)
+        for r, s in enumerate(seqs):
+            yield from self._step(s, logits[r, 0])
+
+    # -- one token ----------------------------------------------------------------------------------
+    def _step(self, s: _Seq, logits: np.ndarray) -> Iterator[TokenEvent]:
+        config = self.config
+        scores = process_logits(logits, s.prompt + s.tokens, config)
+        token = choose(scores, config, s.rng)
+        s.tokens.append(token)
+        if config.output_scores:
+            s.logits.append(np.array(logits, np.float32, copy=True))
+            s.scores.append(scores)
+        now = time.perf_counter() - self._t0
+        if len(s.tokens) == 1:
+            s.first_token_s = now
+            if not self.stats.first_token_s:
+                self.stats.first_token_s = now
+        self.stats.generated_tokens += 1
+
+        finish = "stop" if token in config.stop_token_ids else None
+        text = None
+        if self.tokenizer is not None:
+            if s.decoder is None:
+                s.decoder = self.tokenizer.stream_decoder()
+            s.text += s.decoder.add(token)
+            if finish or len(s.tokens) >= config.max_new_tokens:
+                s.text += s.decoder.flush()  # nothing more comes: release held-back bytes
+            if self._cut_at_stop(s):
+                finish = "stop"
+        if not finish and len(s.tokens) >= config.max_new_tokens:
+            finish = "length"
+        if self.tokenizer is not None:
+            text = self._emit(s, final=finish is not None)
+        if finish:
+            s.finish_reason, s.latency_s = finish, now
+        yield TokenEvent(s.prompt_index, s.sequence_index, token, text, finish)
+
+    def _cut_at_stop(self, s: _Seq) -> bool:
+        """Cuts the text before the first stop string in it; True if there was one."""
+        hits = [i for i in (s.text.find(stop) for stop in self.config.stop) if i >= 0]
+        if hits:
+            s.text = s.text[:min(hits)]
+        return bool(hits)
+
+    def _emit(self, s: _Seq, final: bool) -> str:
+        """The text not yet streamed, minus (unless final) a tail that may begin a stop string."""
+        end = len(s.text)
+        if not final:  # hold back a tail that may grow into a stop string
+            for stop in self.config.stop:
+                for n in range(min(len(stop) - 1, end), 0, -1):
+                    if s.text.endswith(stop[:n]):
+                        end = min(end, len(s.text) - n)
+                        break
+        start, s.emitted = s.emitted, max(s.emitted, end)
+        return s.text[start:end]
+
+
+def _rng(seed: int | None, prompt_index: int, sequence_index: int) -> np.random.Generator:
+    """Each sequence draws from its own generator, so its tokens do not depend on its batch."""
+    if seed is None:
+        return np.random.default_rng()
+    return np.random.default_rng([seed, prompt_index, sequence_index])
+
+
 def generate(session: Session, prompts: list[list[int]], max_new_tokens: int,
              eos_ids: set[int] = frozenset(), on_token: Callable[[int, int], None] | None = None,
-             stats: GenerateStats | None = None) -> list[list[int]]:
-    """Greedy continuation of each prompt (token ids). Returns the new ids of each prompt, ending
-    at the first EOS (included) or after max_new_tokens. `on_token(prompt_index, id)` sees each
-    new token as it is chosen."""
-    stats = stats if stats is not None else GenerateStats()
-    if max_new_tokens < 0:
-        raise SharkportError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if max_new_tokens == 0:
-        return [[] for _ in prompts]
-    if any(len(p) == 0 for p in prompts):
-        raise SharkportError("empty prompt: give at least one token (or a BOS token)")
-    config = session.config
-    limit = config.max_seq_len
-    for i, p in enumerate(prompts):
-        if len(p) + max_new_tokens > limit:
-            raise SharkportError(
-                f"prompt {i} has {len(p)} tokens; with {max_new_tokens} new tokens it exceeds the "
-                f"exported max_seq_len {limit}; shorten it or lower --max-new-tokens")
-    group = max(config.decode_batch_sizes or config.prefill_batch_sizes)
-    results: list[list[int]] = []
-    allocator = PageAllocator(session.pages)
-    for start in range(0, len(prompts), group):
-        chunk = prompts[start:start + group]
-        results += _generate_group(session, allocator, chunk, max_new_tokens, eos_ids,
-                                   stats, lambda i, t: on_token and on_token(start + i, t))
-    return results
-
-
-def _generate_group(session, allocator, prompts, max_new_tokens, eos_ids, stats, on_token):
-    config = session.config
-    stride = config.block_seq_stride
-    prefill_blocks = math.ceil(max(len(p) for p in prompts) / stride)
-    decode_bs = _pick(config.decode_batch_sizes, len(prompts), "decode") if max_new_tokens > 1 else 0
-    rows = max(len(prompts), decode_bs)
-    seqs = [_Seq(list(p), len(p)) for p in prompts]
-    seqs += [_Seq([0], 1, done=True) for _ in range(rows - len(prompts))]  # dummy rows
-    try:
-        for s in seqs:
-            total = len(s.tokens) + max_new_tokens if not s.done else 1
-            s.pages = allocator.alloc(max(math.ceil(total / stride), prefill_blocks))
-        _prefill(session, allocator, seqs[:len(prompts)], prefill_blocks, stats)
-        for i, s in enumerate(seqs[:len(prompts)]):
-            on_token(i, s.tokens[-1])
-            s.done = s.tokens[-1] in eos_ids or max_new_tokens == 1
-        for _ in range(max_new_tokens - 1):
-            if all(s.done for s in seqs):
-                break
-            _decode_step(session, seqs, decode_bs, eos_ids, stats, on_token)
-            for s in seqs[:len(prompts)]:
-                if len(s.tokens) - s.prompt_len >= max_new_tokens:
-                    s.done = True
-        return [s.tokens[s.prompt_len:] for s in seqs[:len(prompts)]]
-    finally:
-        for s in seqs:
-            allocator.free(s.pages)
-
-
-def _prefill(session, allocator: PageAllocator, seqs: list[_Seq], blocks: int,
-             stats: GenerateStats) -> None:
-    config = session.config
-    bs = _pick(config.prefill_batch_sizes, len(seqs), "prefill")
-    stride = config.block_seq_stride
-    for start in range(0, len(seqs), bs):
-        part = seqs[start:start + bs]
-        tokens = np.zeros((bs, blocks * stride), np.int64)
-        lens = np.ones(bs, np.int64)
-        ids = np.zeros((bs, blocks), np.int64)
-        spare = []
-        for r in range(bs):
-            if r < len(part):
-                s = part[r]
-                tokens[r, :len(s.tokens)] = s.tokens
-                lens[r] = len(s.tokens)
-                ids[r] = s.pages[:blocks]
-            else:  # padding rows write into pages of their own, freed right after
-                ids[r] = pages = allocator.alloc(blocks)
-                spare += pages
-        t0 = time.perf_counter()
-        logits = session.prefill(tokens, lens, ids)
-        stats.prefill_s += time.perf_counter() - t0
-        stats.prefill_tokens += int(sum(len(s.tokens) for s in part))
-        for r, s in enumerate(part):
-            s.tokens.append(int(np.argmax(logits[r, len(s.tokens) - 1])))
-            stats.generated_tokens += 1
-        allocator.free(spare)
-        if not stats.first_token_s:  # the first group's first tokens are out now
-            stats.first_token_s = stats.prefill_s
-
-
-def _decode_step(session, seqs: list[_Seq], bs: int, eos_ids, stats: GenerateStats, on_token) -> None:
-    stride = session.config.block_seq_stride
-    positions = np.array([len(s.tokens) - 1 for s in seqs], np.int64)
-    blocks = int(positions.max()) // stride + 1
-    ids = np.zeros((bs, blocks), np.int64)
-    for r, s in enumerate(seqs):
-        ids[r] = (s.pages + [s.pages[0]] * blocks)[:blocks]  # tail entries are masked, any page will do
-    tokens = np.array([[s.tokens[-1]] for s in seqs], np.int64)
-    t0 = time.perf_counter()
-    logits = session.decode(tokens, positions + 1, positions, ids)
-    stats.decode_s += time.perf_counter() - t0
-    stats.decode_steps += 1
-    for r, s in enumerate(seqs):
-        if s.done:
-            continue
-        nxt = int(np.argmax(logits[r, 0]))
-        s.tokens.append(nxt)
-        stats.generated_tokens += 1
-        on_token(r, nxt)
-        s.done = nxt in eos_ids
+             stats: GenerateStats | None = None, continuous: bool = True) -> list[list[int]]:
+    """Greedy continuation of each prompt (token ids): the new ids of each prompt, ending at the
+    first EOS (included) or after max_new_tokens. `on_token(prompt_index, id)` sees each new
+    token as it is chosen. A shorthand for GenerationRun with a greedy GenerationConfig."""
+    config = GenerationConfig(max_new_tokens=max_new_tokens, stop_token_ids=tuple(eos_ids))
+    run = GenerationRun(session, prompts, config, continuous=continuous, stats=stats)
+    for event in run:
+        if on_token is not None:
+            on_token(event.prompt_index, event.token_id)
+    return [gens[0].token_ids for gens in run.results()]

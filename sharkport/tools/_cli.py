@@ -11,7 +11,33 @@ from ..errors import SharkportError
 def add_model_source(parser: argparse.ArgumentParser, required: bool = True) -> None:
     src = parser.add_mutually_exclusive_group(required=required)
     src.add_argument("--gguf-file", type=Path, help="a GGUF model file (converted in memory)")
-    src.add_argument("--irpa-file", type=Path, help="a parameter archive made by dump_gguf --save")
+    src.add_argument("--irpa-file", type=Path, help="a parameter archive made by dump_gguf --save or import_hf")
+    add_hf_dataset(src)
+
+
+def add_hf_dataset(group) -> None:
+    """Adds `--hf-dataset NAME` to a parser or (usually) a mutually exclusive source group."""
+    group.add_argument("--hf-dataset", metavar="NAME",
+                       help="a model registered in datasets.yaml (`python -m sharkport.datasets list`), "
+                            "fetched into the Hugging Face cache on first use")
+
+
+def hf_dataset_path(name: str, kind: str = "model") -> Path:
+    """The local path of a registered dataset, fetched first if needed: kind "model" gives its
+    GGUF file or checkpoint folder, "gguf" its GGUF file, "hf" its checkpoint folder and
+    "irpa" a parameter archive imported from it once (cached)."""
+    from ..datasets import dataset_archive, fetch
+
+    if kind == "irpa":
+        return dataset_archive(name)
+    fetched = fetch(name)
+    if kind != "model" and (kind == "gguf") != ("gguf" in fetched.paths):
+        other = "import_hf" if kind == "gguf" else "dump_gguf"
+        raise SharkportError(
+            f"dataset {name} has no {'GGUF file' if kind == 'gguf' else 'safetensors checkpoint'}; "
+            f"use `python -m sharkport.tools.{other} --hf-dataset {name}` instead"
+        )
+    return fetched.model_path
 
 
 def add_verbose(parser: argparse.ArgumentParser) -> None:
@@ -21,7 +47,7 @@ def add_verbose(parser: argparse.ArgumentParser) -> None:
 def load_dataset(args: argparse.Namespace):
     from ..archive import Dataset  # torch loads only once the arguments are known to be good
 
-    return Dataset.load(args.gguf_file or args.irpa_file)
+    return Dataset.load(args.gguf_file or args.irpa_file or hf_dataset_path(args.hf_dataset))
 
 
 def batch_sizes(text: str) -> tuple[int, ...]:
@@ -33,19 +59,3 @@ def batch_sizes(text: str) -> tuple[int, ...]:
     if any(s < 1 for s in sizes):
         raise argparse.ArgumentTypeError(f"batch sizes must be positive, got {text!r}")
     return sizes
-
-
-def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
-    ids = [tokenizer.encode(p) for p in prompts]
-    for p, i in zip(prompts, ids):
-        if not i:
-            raise SharkportError(f"prompt {p!r} encodes to no tokens; give a non-empty prompt")
-    return ids
-
-
-def print_generations(tokenizer, prompts: list[str], outputs: list[list[int]], show_ids: bool) -> None:
-    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
-        print(f"--- prompt {i}: {prompt!r}")
-        if show_ids:
-            print(f"tokens: {out}")
-        print(prompt + tokenizer.decode(out))

@@ -1,0 +1,195 @@
+"""The Python API: `TextGenerator` over a compiled module or the eager recipe, same interface.
+
+    from sharkport import TextGenerator
+    gen = TextGenerator.from_gguf("model.gguf")            # import + export + compile once, cached
+    gen = TextGenerator.from_files("x.vmfb", "x.irpa", "x.json")
+    gen = TextGenerator.eager("model.gguf")                # the PyTorch recipe, no compile
+    out = gen.generate("The capital of France is", max_new_tokens=16)
+    out.text, out.generations[0].token_ids, out.generations[0].finish_reason
+    for event in gen.generate(["a", "b"], stream=True, do_sample=True, seed=0): ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+from .errors import SharkportError
+from .runtime.generate import GenerateStats, Generation, GenerationRun, TokenEvent
+from .runtime.sampling import GenerationConfig
+
+__all__ = ["TextGenerator", "GenerationConfig", "Generation", "PromptOutput", "TokenEvent"]
+
+Prompt = str | list[int] | list[dict[str, Any]]  # text, token ids, or chat messages
+
+
+@dataclass
+class PromptOutput:
+    """The generations of one prompt (`num_return_sequences` of them)."""
+
+    prompt: Prompt
+    prompt_ids: list[int]
+    generations: list[Generation]
+
+    @property
+    def text(self) -> str | None:
+        """The text of the first generation."""
+        return self.generations[0].text
+
+
+class TextGenerator:
+    """Generates text with a Session (compiled module or eager recipe) and a tokenizer.
+
+    Without a tokenizer (an archive without tokenizer metadata) prompts must be token ids and
+    generations have `text=None`."""
+
+    def __init__(self, session, tokenizer=None):
+        self.session, self.tokenizer = session, tokenizer
+        self.stats = GenerateStats()  # of the last generate() call
+
+    # -- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_files(cls, vmfb: str | os.PathLike, irpa: str | os.PathLike, config: str | os.PathLike,
+                   pages: int | None = None, device: str = "local-task") -> "TextGenerator":
+        """A compiled module, its parameter archive and the service config JSON beside it."""
+        from .archive import Dataset
+        from .runtime.session import IreeSession
+
+        session = IreeSession(vmfb, irpa, config, pages=pages, device=device)
+        return cls(session, _tokenizer_or_none(Dataset.load(irpa)))
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike, cache_dir: str | os.PathLike | None = None,
+                  export=None, target: str = "llvm-cpu", pages: int | None = None,
+                  device: str = "local-task", log=None) -> "TextGenerator":
+        """A GGUF (or .irpa) imported, exported and compiled on first use; the artifacts are kept
+        in `cache_dir` (default $SHARKPORT_CACHE or ~/.cache/sharkport) under a key of the file's
+        path, size and mtime and the export settings, and reused by later calls.
+        `export` is an ExportConfig (default: batch sizes 1 and 4, max_seq_len 2048)."""
+        vmfb, irpa, config = build_artifacts(path, cache_dir, export, target, log)
+        return cls.from_files(vmfb, irpa, config, pages=pages, device=device)
+
+    @classmethod
+    def eager(cls, path: str | os.PathLike, block_seq_stride: int = 32, batch_size: int = 4,
+              max_seq_len: int | None = None, pages: int | None = None) -> "TextGenerator":
+        """The PyTorch recipe run directly over a GGUF or .irpa (the reference for compiled
+        modules). max_seq_len defaults to the model's context length capped at 1024; pages to
+        enough for `batch_size` sequences of max_seq_len."""
+        from .archive import Dataset
+        from .export import ExportConfig, service_config
+        from .models import ModelConfig, build_model
+        from .runtime.session import EagerSession
+
+        dataset = Dataset.load(path)
+        model = build_model(dataset, ModelConfig(block_seq_stride=block_seq_stride))
+        if max_seq_len is None:
+            max_seq_len = max(min(model.context_length, 1024) // block_seq_stride, 1) * block_seq_stride
+        pages = pages or batch_size * (max_seq_len // block_seq_stride) + 1  # + the scratch page
+        config = ExportConfig(bs_prefill=(batch_size,), bs_decode=(batch_size,),
+                              block_seq_stride=block_seq_stride, device_block_count=pages,
+                              max_seq_len=max_seq_len)
+        return cls(EagerSession(model, service_config(model, config)), _tokenizer_or_none(dataset))
+
+    # -- generation ---------------------------------------------------------------------------
+    def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
+        """Token ids of a prompt: ids pass through; text is encoded (with the archive's chat
+        template first when `chat`, or when the prompt is a list of messages)."""
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) and prompt:
+            return list(prompt)
+        if self.tokenizer is None:
+            raise SharkportError("this model has no tokenizer in its archive: give prompts as token ids")
+        if isinstance(prompt, list) or chat:
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_special_tokens=False)  # the template has BOS if any
+        if not isinstance(prompt, str):
+            raise SharkportError(f"a prompt is text, token ids or chat messages, got {type(prompt).__name__}")
+        ids = self.tokenizer.encode(prompt)
+        if not ids:
+            raise SharkportError(f"prompt {prompt!r} encodes to no tokens; give a non-empty prompt")
+        return ids
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 config: GenerationConfig | Mapping[str, Any] | None = None, *, stream: bool = False,
+                 chat: bool = False, continuous_batching: bool = True,
+                 **options: Any) -> PromptOutput | list[PromptOutput] | Iterator[TokenEvent]:
+        """Continues each prompt. `config` (a GenerationConfig or a dict) and keyword options
+        (max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty, seed,
+        num_return_sequences, stop, stop_token_ids, output_scores) set how; greedy by default.
+        The tokenizer's EOS always stops a generation.
+
+        Returns a PromptOutput for a single prompt, a list for a list of prompts, or with
+        `stream=True` an iterator of TokenEvents as tokens are chosen. `self.stats` holds the
+        timings of the run once it has finished."""
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                              and not isinstance(prompts[0], (str, list)))
+        given = [prompts] if single else list(prompts)
+        ids = [self.encode(p, chat) for p in given]
+        config = GenerationConfig.make(config, **options)
+        eos = self.tokenizer.eos_id if self.tokenizer is not None else None
+        if eos is not None and eos not in config.stop_token_ids:
+            config = dataclasses.replace(config, stop_token_ids=config.stop_token_ids + (eos,))
+        self.stats = GenerateStats()
+        run = GenerationRun(self.session, ids, config, tokenizer=self.tokenizer,
+                            continuous=continuous_batching, stats=self.stats)
+        if stream:
+            return iter(run)
+        outputs = [PromptOutput(p, i, g) for p, i, g in zip(given, ids, run.results())]
+        return outputs[0] if single else outputs
+
+
+def _tokenizer_or_none(dataset):
+    try:
+        return dataset.tokenizer()
+    except SharkportError:
+        return None
+
+
+def _cache_root(cache_dir: str | os.PathLike | None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir)
+    return Path(os.environ.get("SHARKPORT_CACHE") or Path.home() / ".cache" / "sharkport")
+
+
+def build_artifacts(path: str | os.PathLike, cache_dir=None, export=None, target: str = "llvm-cpu",
+                    log=None) -> tuple[Path, Path, Path]:
+    """(vmfb, irpa, config json) for a GGUF or .irpa, made once and cached (see from_gguf)."""
+    from .export.abi import ExportConfig
+
+    source = Path(path)
+    if not source.is_file():
+        raise SharkportError(f"{source}: no such file; give a .gguf or .irpa model file")
+    export = export or ExportConfig(bs_prefill=(1, 4), bs_decode=(1, 4), max_seq_len=2048)
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    st = source.stat()
+    key = json.dumps({"path": str(source.resolve()), "size": st.st_size, "mtime": st.st_mtime_ns,
+                      "export": dataclasses.asdict(export), "target": target}, sort_keys=True)
+    folder = _cache_root(cache_dir) / f"{source.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    folder.mkdir(parents=True, exist_ok=True)
+    irpa = source if source.suffix == ".irpa" else folder / "model.irpa"
+    mlir, config, vmfb = folder / "model.mlir", folder / "model.json", folder / "model.vmfb"
+    if not irpa.exists():
+        from .archive import import_gguf
+
+        log(f"importing {source} → {irpa}")
+        import_gguf(source, irpa)
+    if not (config.exists() and vmfb.exists()):
+        from .archive import Dataset
+        from .compile import compile_mlir
+        from .export import export_model, save_export
+
+        log(f"exporting {irpa.name} (prefill {list(export.bs_prefill)}, decode {list(export.bs_decode)})")
+        output, service = export_model(Dataset.load(irpa), export)
+        save_export(output, service, mlir, config)
+        log(f"compiling for {target} → {vmfb}")
+        compile_mlir(mlir, vmfb, target)
+        mlir.unlink()  # large, and not needed to run
+    else:
+        log(f"reusing {folder}")
+    return vmfb, irpa, config
