@@ -1,4 +1,5 @@
-"""A tokenizer built from the tokenizer metadata a GGUF file carries (llama.cpp's `tokenizer.*` keys).
+"""A tokenizer built from the tokenizer metadata a GGUF file carries (llama.cpp's `tokenizer.*` keys),
+or from a Hugging Face checkpoint's tokenizer files (see `tokenizer_metadata_from_hf`).
 
 Two vocabulary kinds are supported, named by `tokenizer.ggml.model`:
 
@@ -6,6 +7,10 @@ Two vocabulary kinds are supported, named by `tokenizer.ggml.model`:
   llama.cpp uses for the model's `tokenizer.ggml.pre`, then encoded with a `tokenizers` BPE model.
 * ``"llama"``: SentencePiece BPE (tokens, scores, token types). A `ModelProto` is assembled from
   the metadata and loaded into a `sentencepiece.SentencePieceProcessor`.
+
+A third kind has no `tokenizer.ggml.model` but the GGUF key `tokenizer.huggingface.json` (a whole
+HF `tokenizer.json`): it is loaded as it is into `tokenizers`, so it encodes exactly as
+`transformers` does with the same file.
 
 As in llama.cpp, control, user-defined and unknown tokens written literally in the text
 (e.g. ``"<|im_start|>"``) are recognised as single tokens before the rest is encoded, and
@@ -26,7 +31,8 @@ from typing import Any, Iterable, Mapping
 
 from sharkport.errors import SharkportError
 
-__all__ = ["Tokenizer", "StreamDecoder", "tokenizer_metadata", "KNOWN_PRE_TOKENIZERS"]
+__all__ = ["Tokenizer", "StreamDecoder", "tokenizer_metadata", "tokenizer_metadata_from_hf",
+           "KNOWN_PRE_TOKENIZERS"]
 
 # llama.cpp's token types (the same numbering as SentencePiece's piece types).
 TOKEN_NORMAL = 1
@@ -42,6 +48,11 @@ _KEY_TOKENS = "tokenizer.ggml.tokens"
 _KEY_SCORES = "tokenizer.ggml.scores"
 _KEY_TYPES = "tokenizer.ggml.token_type"
 _KEY_MERGES = "tokenizer.ggml.merges"
+_KEY_HF_JSON = "tokenizer.huggingface.json"
+_KEY_CHAT_TEMPLATE = "tokenizer.chat_template"
+_SPECIAL_ROLES = ("bos", "eos", "unk", "pad")
+_ID_KEYS = {"bos": "tokenizer.ggml.bos_token_id", "eos": "tokenizer.ggml.eos_token_id",
+            "unk": "tokenizer.ggml.unknown_token_id", "pad": "tokenizer.ggml.padding_token_id"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,6 +189,91 @@ def tokenizer_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in metadata.items() if k.startswith("tokenizer.")}
 
 
+def tokenizer_metadata_from_hf(files: Mapping[str, Any], where: Any = "") -> dict[str, Any]:
+    """GGUF tokenizer keys for an HF checkpoint's tokenizer files, as `hf_tokenizer_files` in
+    sharkport.formats.hf returns them (`tokenizer.json` text, `tokenizer.model` base64,
+    `tokenizer_config.json` / `special_tokens_map.json` objects, `chat_template.jinja` text).
+
+    With a `tokenizer.json` the whole file is kept under `tokenizer.huggingface.json` (run by
+    `tokenizers` exactly as transformers runs it). With only a `tokenizer.model`, its pieces
+    become a "llama" (SentencePiece) vocabulary as llama.cpp's converter makes it. Special
+    tokens (BOS, EOS, UNK, PAD, added tokens), `add_bos_token` / `add_eos_token` and the chat
+    template come from `tokenizer_config.json`. Returns {} when there is no tokenizer."""
+    config = dict(files.get("special_tokens_map.json") or {}) | dict(files.get("tokenizer_config.json") or {})
+    template = files.get("chat_template.jinja") or config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if "tokenizer.json" in files:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        tk = HFTokenizer.from_str(files["tokenizer.json"])
+        meta: dict[str, Any] = {_KEY_HF_JSON: files["tokenizer.json"]}
+        lookup = tk.token_to_id
+    elif "tokenizer.model" in files:
+        meta = _spm_metadata(files["tokenizer.model"], config, where)
+        index = {t: i for i, t in enumerate(meta[_KEY_TOKENS])}
+        lookup = index.get
+    else:
+        return {}
+    for role in _SPECIAL_ROLES:
+        token = config.get(f"{role}_token")
+        token = token.get("content") if isinstance(token, dict) else token
+        if token is not None and lookup(str(token)) is not None:
+            meta[_ID_KEYS[role]] = lookup(str(token))
+    if template:
+        meta[_KEY_CHAT_TEMPLATE] = template
+    return meta
+
+
+def _spm_metadata(model_b64: str, config: Mapping[str, Any], where: Any) -> dict[str, Any]:
+    """A SentencePiece tokenizer.model (+ tokenizer_config.json) as "llama" GGUF vocabulary keys."""
+    import base64
+
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    try:
+        proto = pb.ModelProto.FromString(base64.b64decode(model_b64))
+    except Exception as e:
+        raise SharkportError(f"{where}: tokenizer.model is not a SentencePiece model ({e}); re-download it") from None
+    if proto.trainer_spec.model_type != pb.TrainerSpec.BPE:
+        raise SharkportError(
+            f"{where}: tokenizer.model is a SentencePiece "
+            f"{pb.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type)} model; only BPE (Llama's) is supported"
+        )
+    # SentencePiece piece types use llama.cpp's token type numbers (NORMAL=1 ... BYTE=6).
+    tokens = [p.piece for p in proto.pieces]
+    scores = [p.score for p in proto.pieces]
+    types = [int(p.type) for p in proto.pieces]
+    added = sorted((int(i), t) for i, t in (config.get("added_tokens_decoder") or {}).items())
+    for i, token in added:  # tokens added on top of the model (chat markers, ...)
+        kind = TOKEN_CONTROL if token.get("special") else TOKEN_USER_DEFINED
+        if i < len(tokens):
+            if tokens[i] == token["content"] and types[i] == TOKEN_NORMAL:
+                types[i] = kind
+        elif i == len(tokens):
+            tokens.append(token["content"])
+            scores.append(0.0)
+            types.append(kind)
+        else:
+            raise SharkportError(
+                f"{where}: tokenizer_config.json adds token {token['content']!r} as id {i}, past the "
+                f"{len(tokens)} pieces of tokenizer.model; the files do not belong together"
+            )
+    spec = proto.trainer_spec
+    return {
+        _KEY_MODEL: "llama",
+        _KEY_TOKENS: tokens,
+        _KEY_SCORES: scores,
+        _KEY_TYPES: types,
+        _ID_KEYS["bos"]: spec.bos_id, _ID_KEYS["eos"]: spec.eos_id, _ID_KEYS["unk"]: spec.unk_id,
+        _ID_KEYS["pad"]: spec.pad_id,
+        "tokenizer.ggml.add_bos_token": bool(config.get("add_bos_token", True)),
+        "tokenizer.ggml.add_eos_token": bool(config.get("add_eos_token", False)),
+        "tokenizer.ggml.add_space_prefix": proto.normalizer_spec.add_dummy_prefix,
+        "tokenizer.ggml.remove_extra_whitespaces": proto.normalizer_spec.remove_extra_whitespaces,
+    }
+
+
 def _get_list(metadata: Mapping[str, Any], key: str, required: bool = True) -> list[Any] | None:
     value = metadata.get(key)
     if value is None:
@@ -260,6 +356,7 @@ class Tokenizer:
         self._bpe: Any = None  # tokenizers.Tokenizer for "gpt2"
         self._sp: Any = None  # sentencepiece.SentencePieceProcessor for "llama"
         self._sp_hidden_unk: int | None = None  # id of an <unk> piece added past the vocabulary
+        self._hf: Any = None  # tokenizers.Tokenizer of a whole HF tokenizer.json
 
     # -- construction -------------------------------------------------------------------------
 
@@ -271,6 +368,8 @@ class Tokenizer:
         when a required key (tokens; merges for "gpt2") is missing or inconsistent.
         """
         model = metadata.get(_KEY_MODEL)
+        if model is None and metadata.get(_KEY_HF_JSON):
+            return cls._from_hf_json(metadata)
         if model is None:
             raise SharkportError(
                 f"GGUF metadata has no {_KEY_MODEL}: the file has no tokenizer; "
@@ -325,6 +424,35 @@ class Tokenizer:
         ]
         specials.sort(key=lambda s: -len(s[0]))
         self._specials = specials
+        return self
+
+    @classmethod
+    def _from_hf_json(cls, metadata: Mapping[str, Any]) -> "Tokenizer":
+        """A whole HF tokenizer.json, run by `tokenizers` as transformers runs it: its own
+        normalizer, pre-tokenizer, added tokens and post-processor (which adds BOS/EOS)."""
+        from tokenizers import Tokenizer as HFTokenizer
+
+        try:
+            tk = HFTokenizer.from_str(str(metadata[_KEY_HF_JSON]))
+        except Exception as e:
+            raise SharkportError(
+                f"{_KEY_HF_JSON} is not a tokenizer.json that `tokenizers` can load "
+                f"({' '.join(str(e).split())}); re-import the model"
+            ) from None
+        self = cls()
+        self._hf = tk
+        self.model, self.pre = "huggingface", None
+        n = self.vocab_size = tk.get_vocab_size(with_added_tokens=True)
+        self.bos_id, self.eos_id, self.unk_id, self.pad_id = (
+            _get_id(metadata, _ID_KEYS[role], n, None) for role in _SPECIAL_ROLES)
+        with_specials, bare = tk.encode("a").ids, tk.encode("a", add_special_tokens=False).ids
+        self.add_bos = self.bos_id is not None and with_specials[:1] == [self.bos_id] != bare[:1]
+        self.add_eos = self.eos_id is not None and with_specials[-1:] == [self.eos_id] != bare[-1:]
+        self.chat_template = metadata.get(_KEY_CHAT_TEMPLATE)
+        self._is_special = [False] * n
+        for i, added in tk.get_added_tokens_decoder().items():
+            if added.special and i < n:
+                self._is_special[i] = True
         return self
 
     def _init_bpe(self, metadata: Mapping[str, Any], tokens: list[str], types: list[int]) -> None:
@@ -509,6 +637,8 @@ class Tokenizer:
         default True for "llama", False for "gpt2" except pre-tokenizers like llama3) and EOS
         appended if `add_eos`.
         """
+        if self._hf is not None:
+            return self._hf.encode(text, add_special_tokens=add_special_tokens).ids
         fragments = self._partition(text)
         raw = [f for f in fragments if isinstance(f, str)]
         encoded = iter(self._encode_text(raw)) if raw else iter(())
@@ -538,16 +668,22 @@ class Tokenizer:
             )
         if skip_special_tokens and self._is_special[token_id]:
             return b""
+        if self._hf is not None:  # the token's text alone (a byte-fallback piece gives U+FFFD)
+            return self._hf.decode([token_id], skip_special_tokens=False).encode("utf-8")
         return self._piece_bytes[token_id]
 
     def stream_decoder(self, skip_special_tokens: bool = True) -> "StreamDecoder":
         """A decoder fed one token id at a time that returns only finished text, never half of
         a multi-byte character; its outputs joined (plus `flush()`) equal `decode(ids)`."""
+        if self._hf is not None:
+            return _HfStreamDecoder(self, skip_special_tokens)
         return StreamDecoder(self, skip_special_tokens)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`. With `skip_special_tokens`, control/unknown tokens (BOS, EOS, ...) are
         left out; otherwise they appear as their text. Invalid UTF-8 becomes U+FFFD."""
+        if self._hf is not None:
+            return self._hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
         dec = self.stream_decoder(skip_special_tokens)
         parts = [dec.add(int(i)) for i in ids]
         parts.append(dec.flush())
@@ -592,6 +728,8 @@ class Tokenizer:
     def _token_text(self, token_id: int | None) -> str:
         if token_id is None:
             return ""
+        if self._hf is not None:
+            return self._hf.decode([token_id], skip_special_tokens=False)
         return self._piece_bytes[token_id].decode("utf-8", errors="replace")
 
 
@@ -628,6 +766,23 @@ class StreamDecoder:
         cut = len(self._pending) if final else _clean_cut(self._pending)
         done, self._pending = self._pending[:cut], self._pending[cut:]
         return _clean_spaces(done)
+
+
+class _HfStreamDecoder(StreamDecoder):
+    """StreamDecoder over `tokenizers`' own DecodeStream, for tokenizer.json vocabularies."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self._tok = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        self._tok.token_bytes(token_id)  # range check with sharkport's error
+        return self._stream.step(self._tok._hf, int(token_id)) or ""
+
+    def flush(self) -> str:
+        return ""  # DecodeStream holds back only an unfinished character, which decode drops too
 
 
 # llama.cpp's detokenizer clean-up for BPE vocabularies with clean_spaces: drop the space in

@@ -1,4 +1,5 @@
-"""Datasets: a model's weights (Theta) with its metadata, from an .irpa or straight from a GGUF."""
+"""Datasets: a model's weights (Theta) with its metadata, from an .irpa or straight from a GGUF
+or a Hugging Face checkpoint folder."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ from tqdm import tqdm
 
 from ..errors import SharkportError
 from ..formats.gguf import GgufFile, GgufTensor, read_gguf
+from ..formats.hf import HfCheckpoint, PlannedTensor, hf_tokenizer_files, read_hf
 from ..quant import BLOCK_TYPES, PLAIN_TYPES, check_supported
 from .irpa import ARCHIVE_VERSION, Entry, read_archive, weight_entries, write_archive
 from .tensors import QuantizedTensor, Theta, Weight
 
-__all__ = ["Dataset", "QuantizedTensor", "Theta", "Weight", "import_gguf", "gguf_archive_metadata"]
+__all__ = ["Dataset", "QuantizedTensor", "Theta", "Weight", "import_gguf", "import_hf",
+           "gguf_archive_metadata", "hf_archive_metadata"]
 
 
 @dataclass
@@ -35,8 +38,13 @@ class Dataset:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Dataset":
-        """Opens an .irpa (memory-mapped) or a .gguf (converted in memory)."""
+        """Opens an .irpa (memory-mapped), or a .gguf or an HF checkpoint folder (converted in memory)."""
         path = Path(path)
+        if path.is_dir():
+            ckpt = read_hf(path)
+            plan = ckpt.plan()
+            weights = {p.name: t for p, t in ckpt.tensors(plan)}
+            return cls(path, hf_archive_metadata(ckpt, plan), Theta(weights))
         if _is_gguf(path):
             gg = read_gguf(path)
             return cls(path, gguf_archive_metadata(gg), Theta(_gguf_weights(gg)), gg)
@@ -134,5 +142,42 @@ def import_gguf(gguf_path: str | os.PathLike, irpa_path: str | os.PathLike, prog
     total = sum(t.n_bytes for t in gg.tensors)
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"import {gg.path.name}",
               disable=not progress) as bar:
+        write_archive(irpa_path, entries(), metadata, progress=bar)
+    return metadata
+
+
+def hf_archive_metadata(ckpt: HfCheckpoint, plan: list[PlannedTensor]) -> dict[str, Any]:
+    """The archive metadata of an HF checkpoint: the same hparams keys a GGUF import carries,
+    the tokenizer under GGUF keys, and the HF ("half") rotary layout of Q/K."""
+    from ..tokenizer import tokenizer_metadata_from_hf
+
+    return {
+        "sharkport_archive": ARCHIVE_VERSION,
+        "source": ckpt.path.name,
+        "hparams": ckpt.hparams_metadata(),
+        "tokenizer": tokenizer_metadata_from_hf(hf_tokenizer_files(ckpt.path), ckpt.path),
+        # HF llama checkpoints rotate (i, i + D/2) pairs; their Q/K rows are not permuted here.
+        "rope_layout": "half",
+        "tensors": {p.name: _layout(p.type_name, p.shape) for p in plan},
+    }
+
+
+def import_hf(model_dir: str | os.PathLike, irpa_path: str | os.PathLike, dtype: torch.dtype | None = None,
+              progress: bool = True) -> dict[str, Any]:
+    """HF checkpoint folder → .irpa, one tensor in memory at a time, written atomically.
+
+    Matrices are stored in `dtype` (default: as in the checkpoint), vectors in float32.
+    Every name and shape is checked before anything is written. Returns the metadata."""
+    ckpt = read_hf(model_dir)
+    plan = ckpt.plan(dtype)
+    metadata = hf_archive_metadata(ckpt, plan)
+
+    def entries() -> Iterator[Entry]:
+        for p, t in ckpt.tensors(plan):
+            data = t.view(torch.int16) if t.dtype == torch.bfloat16 else t  # numpy has no bfloat16
+            yield Entry(p.name, t.dtype, p.shape, data=data.numpy())
+
+    with tqdm(total=sum(p.n_bytes for p in plan), unit="B", unit_scale=True,
+              desc=f"import {ckpt.path.name}", disable=not progress) as bar:
         write_archive(irpa_path, entries(), metadata, progress=bar)
     return metadata
