@@ -77,6 +77,7 @@ CASES = {
     "absurd-float-array": (overwrite("tokenizer.ggml.scores count", U64_MAX), r"item count of array tokenizer\.ggml\.scores"),
     "absurd-tensor-name": (overwrite("tensor output_norm.weight name length", 2**63), r"length of the name of tensor 1"),
     "absurd-dims": (overwrite("tensor blk.0.attn_q.weight dim 1", 2**62), r"tensor blk\.0\.attn_q\.weight .* past the end"),
+    "zero-dim": (overwrite("tensor blk.0.ffn_up.weight dim 1", 0), r"tensor blk\.0\.ffn_up\.weight .*shape \[32, 0\] holds no values"),
     "too-many-dims": (overwrite("tensor blk.0.attn_q.weight n_dims", U32_MAX), r"tensor blk\.0\.attn_q\.weight has 4294967295 dimensions"),
     "unknown-tensor-type": (overwrite("tensor blk.0.attn_v.weight type", 200), r"tensor blk\.0\.attn_v\.weight has ggml type 200"),
     "removed-tensor-type": (overwrite("tensor blk.0.attn_v.weight type", 4), r"ggml type 4, which no known"),  # old Q4_2

@@ -271,6 +271,8 @@ def _check_tensor_data(path: Path, size: int, infos: list[_TensorInfo], data_sta
                 f"{where}: rows of {t.ne[0]} values are not a whole number of {t.type.name} "
                 f"blocks of {block}; the shape and the type disagree, so the file is corrupt")
         n_elements = int(np.prod(t.ne, dtype=object)) if t.ne else 1
+        if n_elements == 0:
+            raise SharkportError(f"{where}: its shape {list(t.ne)} holds no values; {_REDOWNLOAD}")
         n_bytes = n_elements // block * type_size
         start = data_start + t.rel_offset
         if t.rel_offset % alignment:

@@ -1,0 +1,59 @@
+"""Fuzzed GGUF files (tests/fuzz_gguf.py): every mutation of a valid file is read and imported,
+and ends in success or SharkportError; never another exception, a hang or a crash."""
+
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+
+from fuzz_gguf import apply, describe, make_seeds, mutations, run_case
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+HERE = Path(__file__).parent
+SEEDS = make_seeds(Path(tempfile.mkdtemp(prefix="fuzz-seeds-")))
+DATA = {s.name: s.data for s in SEEDS}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("fuzz")
+
+
+@settings(max_examples=300, deadline=None, database=None, derandomize=True,
+          phases=[Phase.explicit, Phase.generate, Phase.shrink],
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(case=mutations(SEEDS))
+def test_mutated_gguf_is_read_or_rejected(workdir, case):
+    name, ops = case
+    data = apply(DATA[name], ops)
+    # SharkportError is caught inside run_case; any other exception (or CaseTimeout) fails here,
+    # and hypothesis shrinks the mutations to the smallest that still fail.
+    outcome, _ = run_case(data, workdir)
+    assert outcome in ("ok", "rejected-on-read", "rejected-on-import"), f"{name}: {describe(ops)}"
+
+
+@pytest.mark.slow
+def test_ten_thousand_mutations_in_a_child_process(tmp_path):
+    """10,000 cases in a separate process, so that a crash fails this test instead of ending
+    pytest; the child names the case it was running."""
+    result, progress = tmp_path / "result.json", tmp_path / "case.txt"
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "fuzz_gguf.py"), "--cases", "10000",
+         "--json", str(result), "--progress-file", str(progress)],
+        capture_output=True, text=True, timeout=1800)
+    if proc.returncode < 0:
+        pytest.fail(f"the fuzz process died of {signal.Signals(-proc.returncode).name} in case "
+                    f"{progress.read_text() if progress.exists() else '?'}\n{proc.stderr[-3000:]}")
+    assert result.exists(), proc.stderr[-3000:]
+    summary = json.loads(result.read_text())
+    assert summary["bugs"] == [], json.dumps(summary["bugs"], indent=2)
+    assert proc.returncode == 0
+    assert summary["cases"] >= 10000
+    assert set(summary["outcomes"]) <= {"ok", "rejected-on-read", "rejected-on-import"}
+    assert summary["outcomes"].get("ok", 0) > 0 and summary["outcomes"].get("rejected-on-read", 0) > 0
