@@ -76,12 +76,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="write the parameter archive here (atomically; quantized tensors stay packed)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--quiet", action="store_true", help="print no report (with --save)")
+    parser.add_argument("--check", action="store_true",
+                        help="check the metadata against the tensors (as sharkport.tools.check does) and "
+                             "scan values and quantization scales for NaN/inf; exit 1 on any problem, "
+                             "and then write nothing with --save")
     parser.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     args = parser.parse_args(argv)
 
     gg = read_gguf(args.gguf_file)
     for t in gg.tensors:  # before anything is written
         check_supported(t.type_name, f"{gg.path}: tensor {t.name}")
+    if args.check:
+        from .check import check_gguf, print_findings
+
+        if print_findings(gg.path, *check_gguf(gg, values=True)):
+            return 1
     if args.save:
         from ..archive import import_gguf  # torch and IREE load only when needed
 
