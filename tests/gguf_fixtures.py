@@ -6,20 +6,37 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+from gguf import quants
 
 
-def random_blocks(type_name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
-    """Raw bytes [rows, bytes per row] of a tensor of numpy `shape`, with finite f16 scales."""
+# Byte offsets of the f16 scale fields in each ggml block struct (ggml-common.h).
+F16_FIELD_OFFSETS = {
+    "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+}
+
+
+def random_blocks(type_name: str, shape: tuple[int, ...], rng: np.random.Generator,
+                  std: float | None = None) -> np.ndarray:
+    """Raw bytes [rows, bytes per row] of a tensor of numpy `shape`, with finite f16 scales.
+    With `std`, the scales are rescaled so the dequantized values have about that spread (a
+    usable weight for a model, rather than K-quant products of up to 6-bit x 6-bit x scale)."""
     qtype = gguf.GGMLQuantizationType[type_name]
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     *outer, n = shape
     raw = rng.integers(0, 256, size=(int(np.prod(outer, dtype=np.int64)), n // block * size), dtype=np.uint8)
-    # Every block here starts with an f16 scale d (and Q*_1 a second one, m): make them finite
-    # and modest so dequantized values are ordinary numbers.
+    # Make the f16 scales (d, and m/dmin where the type has one) finite and modest, so
+    # dequantized values are ordinary numbers.
     blocks = raw.reshape(-1, size)
-    n_scales = 2 if type_name in ("Q4_1", "Q5_1") else 1
-    scales = (rng.standard_normal((blocks.shape[0], n_scales)) * 0.05).astype(np.float16)
-    blocks[:, : 2 * n_scales] = scales.view(np.uint8)
+    offsets = F16_FIELD_OFFSETS.get(type_name, (0,))  # IQ types start with d too
+    for offset in offsets:
+        scales = (rng.standard_normal(blocks.shape[0]) * 0.05).astype(np.float16)
+        blocks[:, offset:offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    if std is not None:
+        factor = std / float(quants.dequantize(raw, qtype).std())
+        for offset in offsets:  # values are linear in d (and m/dmin)
+            scales = blocks[:, offset:offset + 2].copy().view(np.float16)
+            blocks[:, offset:offset + 2] = (scales * factor).astype(np.float16).view(np.uint8)
     return raw.reshape(*outer, -1) if outer else raw.reshape(-1)
 
 

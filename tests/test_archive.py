@@ -16,8 +16,8 @@ from sharkport.errors import SharkportError
 
 from gguf_fixtures import random_blocks, write_gguf
 
-TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
-SHAPE = (16, 128)
+TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+SHAPE = (16, 256)
 
 
 def _data(type_name, rng):
@@ -71,7 +71,8 @@ def test_archive_layout(imported):
     entries = dict(ParameterArchive(imported).items())
     # Quantized tensors are stored as their planes, readable with turbine's own API.
     assert "t.q4_1" not in entries
-    assert entries["t.q4_1:qs"].as_tensor().shape == (16, 4, 16)
+    assert entries["t.q4_1:qs"].as_tensor().shape == (16, 8, 16)
+    assert entries["t.q6_k:scales"].as_tensor().dtype == torch.int8
     assert entries["t.q4_1:d"].as_tensor().dtype == torch.float16
     assert entries["t.f16"].as_tensor().dtype == torch.float16
     meta = json.loads(bytes(np.asarray(entries[METADATA_KEY].raw.file_view)))

@@ -22,6 +22,7 @@ def test_dequant_is_bit_exact(type_name):
     planes = BLOCK_TYPES[type_name].unpack(raw, SHAPE)
     got = BLOCK_TYPES[type_name].dequant({k: torch.from_numpy(v) for k, v in planes.items()})
     assert got.dtype == torch.float32 and tuple(got.shape) == SHAPE
+    assert np.isfinite(expected).all()
     np.testing.assert_array_equal(got.numpy().view(np.uint32), expected.view(np.uint32))
 
 

@@ -39,6 +39,18 @@ def compile_mlir(mlir_path: str | os.PathLike, vmfb_path: str | os.PathLike,
         try:
             iree.compiler.compile_file(str(mlir_path), output_file=str(tmp), extra_args=flags)
         except iree.compiler.CompilerToolError as e:
-            last = str(e).strip().splitlines()[-1] if str(e).strip() else "see above"
-            raise SharkportError(f"{mlir_path}: iree-compile failed ({last}); rerun with --verbose") from e
+            raise SharkportError(f"{mlir_path}: iree-compile failed ({_first_error(str(e))}); "
+                                 "rerun with --verbose for the full compiler output") from e
     return flags
+
+
+def _first_error(output: str) -> str:
+    """The first `error:` line of iree-compile's output (the rest is context and notes)."""
+    for line in output.splitlines():
+        if "error:" in line:
+            return line.split("error:", 1)[1].strip()
+    for line in output.splitlines():
+        if line.startswith("Error code:"):
+            return f"the compiler crashed, {line.strip()}"
+    lines = output.strip().splitlines()
+    return lines[-1] if lines else "no output"

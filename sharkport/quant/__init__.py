@@ -80,6 +80,13 @@ BLOCK_TYPES: dict[str, BlockType] = {
         BlockType("Q4_1", (("d", "<f2", 1), ("m", "<f2", 1), ("qs", "u1", 16))),
         BlockType("Q5_0", (("d", "<f2", 1), ("qh", "u1", 4), ("qs", "u1", 16))),
         BlockType("Q5_1", (("d", "<f2", 1), ("m", "<f2", 1), ("qh", "u1", 4), ("qs", "u1", 16))),
+        # K-quants: 256-value super-blocks (ggml's block_q*_K structs, fields in struct order).
+        BlockType("Q2_K", (("scales", "u1", 16), ("qs", "u1", 64), ("d", "<f2", 1), ("dmin", "<f2", 1))),
+        BlockType("Q3_K", (("hmask", "u1", 32), ("qs", "u1", 64), ("scales", "u1", 12), ("d", "<f2", 1))),
+        BlockType("Q4_K", (("d", "<f2", 1), ("dmin", "<f2", 1), ("scales", "u1", 12), ("qs", "u1", 128))),
+        BlockType("Q5_K", (("d", "<f2", 1), ("dmin", "<f2", 1), ("scales", "u1", 12), ("qh", "u1", 32),
+                           ("qs", "u1", 128))),
+        BlockType("Q6_K", (("ql", "u1", 128), ("qh", "u1", 64), ("scales", "i1", 16), ("d", "<f2", 1))),
     ]
 }
 

@@ -1,0 +1,178 @@
+"""Every ggml type through the compiled module: the planes are read from the archive as external
+parameters and dequantized inside the IREE program, bit-for-bit as gguf.quants does; and a tiny
+llama whose matrices each use a different type compiles and matches the eager recipe."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+from iree.turbine import aot
+from iree.turbine.aot import FxProgramsBuilder
+
+from sharkport.archive import Dataset, QuantizedTensor, import_gguf
+from sharkport.compile import compile_mlir
+from sharkport.export import ExportConfig, export_model, externalize, save_export
+from sharkport.models import ModelConfig, build_model
+from sharkport.quant import BLOCK_TYPES
+from sharkport.runtime.session import EagerSession, IreeSession
+
+from gguf_fixtures import random_blocks, write_gguf
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+
+QUANT_TYPES = sorted(BLOCK_TYPES)
+SHAPE = (4, 512)  # two K-quant super-blocks per row
+
+
+def _params(names):
+    return [pytest.param(n, id=n) for n in names]
+
+
+def _run_iree(vmfb, irpa, fn_name: str, *args) -> np.ndarray:
+    import iree.runtime as rt
+
+    config = rt.Config("local-task")
+    index = rt.ParameterIndex()
+    index.load(str(irpa), mmap=True)
+    params = rt.create_io_parameters_module(config.vm_instance, index.create_provider(scope="model"))
+    hal = rt.create_hal_module(config.vm_instance, config.device)
+    main = rt.VmModule.mmap(config.vm_instance, str(vmfb))
+    module = rt.load_vm_modules(params, hal, main, config=config)[-1]
+    result = module[fn_name](*args)
+    return np.array(result.to_host(), copy=True)  # to_host() is a view of a buffer we drop
+
+
+@pytest.fixture(scope="module")
+def dequant_module(tmp_path_factory):
+    """A GGUF with one tensor per block type → .irpa → a module with `dequant_<type>(rows)`
+    functions that gather rows of the external planes and dequantize them in the graph."""
+    root = tmp_path_factory.mktemp("dequant")
+    rng = np.random.default_rng(7)
+    tensors = {f"t.{t}": (t, SHAPE, random_blocks(t, SHAPE, rng)) for t in QUANT_TYPES}
+    gguf_path = write_gguf(root / "types.gguf", tensors)
+    irpa = root / "types.irpa"
+    import_gguf(gguf_path, irpa, progress=False)
+
+    dataset = Dataset.load(irpa)
+    externalize(dataset)
+    fxb = FxProgramsBuilder(torch.nn.Module())
+    rows = torch.zeros(SHAPE[0], dtype=torch.int64)
+    for t in QUANT_TYPES:
+        w = dataset.theta[f"t.{t}"]
+        assert isinstance(w, QuantizedTensor)
+
+        @fxb.export_program(name=f"dequant_{t}", args=(rows,), strict=False)
+        def _dequant(module, ids, w=w):
+            return w.rows(ids)
+
+    mlir, vmfb = root / "types.mlir", root / "types.vmfb"
+    with torch.no_grad():
+        aot.export(fxb).save_mlir(mlir)
+    compile_mlir(mlir, vmfb)
+    return gguf_path, irpa, vmfb
+
+
+@pytest.mark.parametrize("type_name", _params(QUANT_TYPES))
+def test_compiled_dequant_is_bit_exact(dequant_module, type_name):
+    gguf_path, irpa, vmfb = dequant_module
+    reader = gguf.GGUFReader(gguf_path)
+    t = next(t for t in reader.tensors if t.name == f"t.{type_name}")
+    expected = quants.dequantize(t.data, t.tensor_type).reshape(SHAPE)
+    ids = np.array([3, 0, 2, 1], dtype=np.int64)  # out of order: the gather is real
+    got = _run_iree(vmfb, irpa, f"dequant_{type_name}", ids)
+    assert got.dtype == np.float32 and got.shape == SHAPE
+    np.testing.assert_array_equal(got.view(np.uint32), expected[ids].view(np.uint32))
+
+
+# ---------------------------------------------------------------------------------------------
+# A tiny llama with every type: hidden 256 and ffn 512, so every matrix row holds whole
+# K-quant super-blocks.
+# ---------------------------------------------------------------------------------------------
+
+HIDDEN, FFN, HEADS, KV_HEADS, LAYERS, VOCAB = 256, 512, 4, 2, 2, 256
+HEAD_DIM = HIDDEN // HEADS
+PLAIN = ["F32", "F16", "BF16"]
+STRIDE, PAGES = 16, 8
+EXPORT = ExportConfig(bs_prefill=(1,), bs_decode=(1,), block_seq_stride=STRIDE,
+                      device_block_count=PAGES, max_seq_len=STRIDE * 4)
+
+
+def _matrices() -> dict[str, tuple[int, int]]:
+    shapes = {"token_embd.weight": (VOCAB, HIDDEN), "output.weight": (VOCAB, HIDDEN)}
+    for i in range(LAYERS):
+        shapes |= {
+            f"blk.{i}.attn_q.weight": (HIDDEN, HIDDEN),
+            f"blk.{i}.attn_k.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+            f"blk.{i}.attn_v.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+            f"blk.{i}.attn_output.weight": (HIDDEN, HIDDEN),
+            f"blk.{i}.ffn_gate.weight": (FFN, HIDDEN),
+            f"blk.{i}.ffn_up.weight": (FFN, HIDDEN),
+            f"blk.{i}.ffn_down.weight": (HIDDEN, FFN),
+        }
+    return shapes
+
+
+def _tensor(type_name: str, shape, rng) -> np.ndarray:
+    if type_name in PLAIN:
+        values = (rng.standard_normal(shape) * 0.05).astype(np.float32)
+        return quants.quantize(values, gguf.GGMLQuantizationType[type_name]) if type_name == "BF16" \
+            else values.astype(np.float16 if type_name == "F16" else np.float32)
+    return random_blocks(type_name, shape, rng, std=0.05)
+
+
+@pytest.fixture(scope="module")
+def mixed_llama(tmp_path_factory):
+    """The tiny llama's GGUF: its 16 matrices cycle through all 13 types (norms stay F32)."""
+    root = tmp_path_factory.mktemp("mixed_llama")
+    rng = np.random.default_rng(11)
+    types = QUANT_TYPES + PLAIN
+    tensors = {}
+    for k, (name, shape) in enumerate(_matrices().items()):
+        t = types[k % len(types)]
+        tensors[name] = (t, shape, _tensor(t, shape, rng))
+    for i in range(LAYERS):
+        for norm in ("attn_norm", "ffn_norm"):
+            tensors[f"blk.{i}.{norm}.weight"] = ("F32", (HIDDEN,), rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32))
+    tensors["output_norm.weight"] = ("F32", (HIDDEN,), rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32))
+    meta = {
+        "llama.block_count": LAYERS, "llama.embedding_length": HIDDEN,
+        "llama.feed_forward_length": FFN, "llama.attention.head_count": HEADS,
+        "llama.attention.head_count_kv": KV_HEADS, "llama.context_length": 256,
+        "llama.rope.dimension_count": HEAD_DIM, "llama.vocab_size": VOCAB,
+    }
+    gguf_path = write_gguf(root / "mixed.gguf", tensors, meta)
+    assert {t for t, _, _ in tensors.values()} == set(types)
+    irpa = root / "mixed.irpa"
+    import_gguf(gguf_path, irpa, progress=False)
+    return root, irpa
+
+
+def test_mixed_type_llama_compiled_matches_eager(mixed_llama):
+    root, irpa = mixed_llama
+    output, service = export_model(Dataset.load(irpa), EXPORT)
+    mlir, config, vmfb = root / "m.mlir", root / "m.json", root / "m.vmfb"
+    save_export(output, service, mlir, config)
+    compile_mlir(mlir, vmfb)
+
+    model = build_model(Dataset.load(irpa), ModelConfig(block_seq_stride=STRIDE))
+    sessions = [EagerSession(model, service, pages=PAGES), IreeSession(vmfb, irpa, config, pages=PAGES)]
+    prompt = np.random.default_rng(3).integers(0, VOCAB, 21)
+    tokens = np.zeros((1, 2 * STRIDE), np.int64)
+    tokens[0, :21] = prompt
+    pages = np.array([[5, 0]], np.int64)
+    prefill = [s.prefill(tokens, np.array([21]), pages) for s in sessions]
+    _assert_close(prefill[1][0, :21], prefill[0][0, :21])
+    for step in range(4):  # decode continues each session's own cache
+        pos = 21 + step
+        next_token = np.array([[int(prefill[0][0, 20].argmax()) if step == 0 else 7 * step]], np.int64)
+        decode = [s.decode(next_token, np.array([pos + 1]), np.array([pos]), pages) for s in sessions]
+        _assert_close(decode[1], decode[0])
+
+
+def _assert_close(got: np.ndarray, expected: np.ndarray) -> None:
+    scale = np.abs(expected).max()
+    assert scale > 0.1, "logits are degenerate; the check would be vacuous"
+    assert np.abs(got - expected).max() <= 1e-3 * scale
