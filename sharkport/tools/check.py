@@ -221,7 +221,8 @@ def nonfinite(name: str, array: np.ndarray, dtype: str) -> str | None:
     if dtype == "bfloat16":  # raw bits: exponent all ones is inf or NaN
         bad = int(np.count_nonzero((array.view(np.uint16) & 0x7F80) == 0x7F80))
     elif dtype in ("float32", "float16"):
-        bad = int(array.size - np.count_nonzero(np.isfinite(array.view(dtype))))
+        floats = array.view(dtype)
+        bad = int(floats.size - np.count_nonzero(np.isfinite(floats)))
     else:
         return None
     return f"{name} holds {bad} NaN/inf values" if bad else None
