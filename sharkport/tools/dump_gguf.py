@@ -15,6 +15,7 @@ from typing import Any
 from ..errors import cli_main
 from ..formats.gguf import GgufFile, read_gguf
 from ..quant import check_supported
+from ._cli import add_hf_dataset, hf_dataset_path
 
 _ARRAY_HEAD = 3
 _TEXT_HEAD = 60
@@ -71,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m sharkport.tools.dump_gguf",
         description="Print a GGUF file's metadata (vocabularies summarized) and tensor table; "
                     "with --save, import it into an IREE parameter archive (.irpa).")
-    parser.add_argument("--gguf-file", type=Path, required=True, help="the GGUF file to read")
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--gguf-file", type=Path, help="the GGUF file to read")
+    add_hf_dataset(src)
     parser.add_argument("--save", type=Path, metavar="X.irpa",
                         help="write the parameter archive here (atomically; quantized tensors stay packed)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -82,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                              "and then write nothing with --save")
     parser.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     args = parser.parse_args(argv)
+    args.gguf_file = args.gguf_file or hf_dataset_path(args.hf_dataset, "gguf")
 
     gg = read_gguf(args.gguf_file)
     for t in gg.tensors:  # before anything is written
