@@ -127,9 +127,11 @@ def _gguf_weights(gg: GgufFile) -> dict[str, Weight]:
     return weights
 
 
-def import_gguf(gguf_path: str | os.PathLike, irpa_path: str | os.PathLike, progress: bool = True) -> dict[str, Any]:
-    """GGUF → .irpa, streamed tensor by tensor and written atomically. Returns the metadata."""
-    gg = read_gguf(gguf_path)
+def import_gguf(gguf_file: str | os.PathLike | GgufFile, irpa_path: str | os.PathLike,
+                progress: bool = True) -> dict[str, Any]:
+    """GGUF → .irpa, streamed tensor by tensor and written atomically. Returns the metadata.
+    `gguf_file` is a path, or a file already read (`read_gguf`, maybe cut with `first_blocks`)."""
+    gg = gguf_file if isinstance(gguf_file, GgufFile) else read_gguf(gguf_file)
     irpa_path = Path(irpa_path)
     if irpa_path.exists() and irpa_path.resolve() == gg.path.resolve():
         raise SharkportError(f"{irpa_path}: refusing to overwrite the input file; choose another --save path")

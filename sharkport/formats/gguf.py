@@ -9,8 +9,10 @@ and anything it still rejects becomes a SharkportError too.
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +55,21 @@ class GgufFile:
     @property
     def architecture(self) -> str:
         return str(self.metadata.get("general.architecture", ""))
+
+    def first_blocks(self, n: int) -> "GgufFile":
+        """The same file cut to its first `n` transformer blocks: tensors `blk.{i}.*` with
+        i >= n are dropped and `{arch}.block_count` says n (a small model for tests)."""
+        key = f"{self.architecture}.block_count"
+        count = self.metadata.get(key)
+        if not isinstance(count, int):
+            raise SharkportError(f"{self.path}: has no {key}, so --num-blocks cannot apply")
+        if not 1 <= n <= count:
+            raise SharkportError(f"--num-blocks {n}: {self.path} has {count} blocks; pass 1..{count}")
+        kept = [t for t in self.tensors if (m := _BLOCK_TENSOR.match(t.name)) is None or int(m[1]) < n]
+        return dataclasses.replace(self, metadata={**self.metadata, key: n}, tensors=kept)
+
+
+_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.")
 
 
 def read_gguf(path: str | os.PathLike) -> GgufFile:

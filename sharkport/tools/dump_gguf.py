@@ -1,20 +1,24 @@
-"""Show what a GGUF file holds, and optionally import it into a parameter archive.
+"""Show what a GGUF file holds, dump its tensors as .npy, and import it into a parameter archive.
 
     python -m sharkport.tools.dump_gguf --gguf-file x.gguf [--json] [--save x.irpa]
+        [--tensor-regex RE] [--num-blocks N] [--dump-tensor-dir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import re
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import cli_main
-from ..formats.gguf import GgufFile, read_gguf
-from ..quant import check_supported
+from ..errors import SharkportError, cli_main
+from ..fileio import atomic_output
+from ..formats.gguf import GgufFile, GgufTensor, read_gguf
+from ..quant import BLOCK_TYPES, PLAIN_TYPES, check_supported
 from ._cli import add_hf_dataset, hf_dataset_path
 
 _ARRAY_HEAD = 3
@@ -66,6 +70,72 @@ def print_report(rep: dict[str, Any]) -> None:
         print(f"  {t['name']:<{name_w}}  {t['type']:<5}  {shape:<16}  {t['bytes']}")
 
 
+_DUMP_CHUNK_BYTES = 64 << 20  # float32 output written per step, so memory stays flat
+
+
+def dump_tensors(tensors: list[GgufTensor], out_dir: Path, progress: bool = False) -> dict[str, Any]:
+    """Writes, per tensor, `<name>.npy` (float32 values as sharkport dequantizes them) and for a
+    quantized tensor `<name>.<plane>.npy` (its packed planes, as the archive stores them), plus
+    `index.json` naming each tensor's type, shape and files. Each file is written atomically,
+    large tensors a chunk of rows at a time."""
+    import numpy as np
+    import torch
+    from tqdm import tqdm
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    index: dict[str, Any] = {}
+    for t in tqdm(tensors, desc=f"dump to {out_dir}", unit="tensor", disable=not progress):
+        files = {"values": f"{t.name}.npy"}
+        rows = t.data.reshape(-1).view(np.uint8).reshape(int(np.prod(t.shape[:-1], dtype=np.int64)), -1)
+        step = max(1, _DUMP_CHUNK_BYTES // (4 * t.shape[-1]))
+        with atomic_output(out_dir / files["values"]) as tmp:
+            values = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=t.shape)
+            flat = values.reshape(rows.shape[0], t.shape[-1])
+            for start in range(0, rows.shape[0], step):
+                chunk = rows[start:start + step]
+                flat[start:start + len(chunk)] = _float_rows(t.type_name, chunk, t.shape[-1], torch)
+            values.flush()
+            del values, flat
+        if t.type_name in BLOCK_TYPES:
+            for plane, data in BLOCK_TYPES[t.type_name].unpack(rows, t.shape).items():
+                files[plane] = f"{t.name}.{plane}.npy"
+                with atomic_output(out_dir / files[plane]) as tmp:
+                    with open(tmp, "wb") as f:
+                        np.save(f, data)
+        index[t.name] = {"type": t.type_name, "shape": list(t.shape), "files": files}
+    with atomic_output(out_dir / "index.json") as tmp:
+        tmp.write_text(json.dumps(index, indent=1) + "\n")
+    return index
+
+
+def _float_rows(type_name: str, raw_rows, n: int, torch):
+    """Raw bytes [rows, bytes per row] of one tensor → float32 [rows, n], with the same code
+    the archive and the exported program use."""
+    if type_name in BLOCK_TYPES:
+        bt = BLOCK_TYPES[type_name]
+        planes = bt.unpack(raw_rows, (raw_rows.shape[0], n))
+        return bt.dequant({k: torch.from_numpy(v) for k, v in planes.items()}).numpy()
+    np_dtype, torch_dtype = PLAIN_TYPES[type_name]
+    values = torch.from_numpy(raw_rows.reshape(-1).view(np_dtype).copy()).view(getattr(torch, torch_dtype))
+    return values.to(torch.float32).reshape(raw_rows.shape[0], n).numpy()
+
+
+def select(gg: GgufFile, tensor_regex: str | None, num_blocks: int | None) -> tuple[GgufFile, list[GgufTensor]]:
+    """The file cut to --num-blocks, and its tensors matching --tensor-regex (re.search)."""
+    if num_blocks is not None:
+        gg = gg.first_blocks(num_blocks)
+    if tensor_regex is None:
+        return gg, gg.tensors
+    try:
+        pattern = re.compile(tensor_regex)
+    except re.error as e:
+        raise SharkportError(f"--tensor-regex {tensor_regex!r} is not a valid regular expression ({e})") from None
+    chosen = [t for t in gg.tensors if pattern.search(t.name)]
+    if not chosen:
+        raise SharkportError(f"--tensor-regex {tensor_regex!r} matches no tensor of {gg.path}")
+    return gg, chosen
+
+
 @cli_main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
@@ -77,6 +147,16 @@ def main(argv: list[str] | None = None) -> int:
     add_hf_dataset(src)
     parser.add_argument("--save", type=Path, metavar="X.irpa",
                         help="write the parameter archive here (atomically; quantized tensors stay packed)")
+    parser.add_argument("--tensor-regex", metavar="RE",
+                        help="only tensors whose name matches RE (Python re.search) in the report and "
+                             "in --dump-tensor-dir; --save still writes every tensor")
+    parser.add_argument("--num-blocks", type=int, metavar="N",
+                        help="keep only the first N transformer blocks (tensors blk.0..blk.N-1 and the "
+                             "rest) and rewrite {arch}.block_count, in the report, the dump and --save: "
+                             "a small model for tests")
+    parser.add_argument("--dump-tensor-dir", type=Path, metavar="DIR",
+                        help="write each selected tensor as DIR/<name>.npy (float32, dequantized) and, "
+                             "when quantized, DIR/<name>.<plane>.npy (the packed planes), with DIR/index.json")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--quiet", action="store_true", help="print no report (with --save)")
     parser.add_argument("--check", action="store_true",
@@ -90,19 +170,26 @@ def main(argv: list[str] | None = None) -> int:
     gg = read_gguf(args.gguf_file)
     for t in gg.tensors:  # before anything is written
         check_supported(t.type_name, f"{gg.path}: tensor {t.name}")
+    gg, chosen = select(gg, args.tensor_regex, args.num_blocks)
     if args.check:
         from .check import check_gguf, print_findings
 
         if print_findings(gg.path, *check_gguf(gg, values=True)):
             return 1
+    progress = sys.stderr.isatty()
     if args.save:
         from ..archive import import_gguf  # torch and IREE load only when needed
 
         t0 = time.perf_counter()
-        import_gguf(args.gguf_file, args.save, progress=sys.stderr.isatty())
+        import_gguf(gg, args.save, progress=progress)
         print(f"wrote {args.save} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    if args.dump_tensor_dir:
+        t0 = time.perf_counter()
+        dump_tensors(chosen, args.dump_tensor_dir, progress=progress)
+        print(f"dumped {len(chosen)} tensors to {args.dump_tensor_dir} in {time.perf_counter() - t0:.1f} s",
+              file=sys.stderr)
     if not args.quiet:
-        rep = report(gg)
+        rep = report(dataclasses.replace(gg, tensors=chosen))
         print(json.dumps(rep, indent=2)) if args.json else print_report(rep)
     return 0
 
