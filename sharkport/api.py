@@ -98,22 +98,8 @@ class TextGenerator:
 
     # -- generation ---------------------------------------------------------------------------
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
-        """Token ids of a prompt: ids pass through; text is encoded (with the archive's chat
-        template first when `chat`, or when the prompt is a list of messages)."""
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) and prompt:
-            return list(prompt)
-        if self.tokenizer is None:
-            raise SharkportError("this model has no tokenizer in its archive: give prompts as token ids")
-        if isinstance(prompt, list) or chat:
-            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            return self.tokenizer.encode(text, add_special_tokens=False)  # the template has BOS if any
-        if not isinstance(prompt, str):
-            raise SharkportError(f"a prompt is text, token ids or chat messages, got {type(prompt).__name__}")
-        ids = self.tokenizer.encode(prompt)
-        if not ids:
-            raise SharkportError(f"prompt {prompt!r} encodes to no tokens; give a non-empty prompt")
-        return ids
+        """Token ids of a prompt (see encode_prompt)."""
+        return encode_prompt(self.tokenizer, prompt, chat)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  config: GenerationConfig | Mapping[str, Any] | None = None, *, stream: bool = False,
@@ -142,6 +128,25 @@ class TextGenerator:
             return iter(run)
         outputs = [PromptOutput(p, i, g) for p, i, g in zip(given, ids, run.results())]
         return outputs[0] if single else outputs
+
+
+def encode_prompt(tokenizer, prompt: Prompt, chat: bool = False) -> list[int]:
+    """Token ids of a prompt: ids pass through; text is encoded (with the tokenizer's chat
+    template first when `chat`, or when the prompt is a list of messages)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    if tokenizer is None:
+        raise SharkportError("this model has no tokenizer in its archive: give prompts as token ids")
+    if isinstance(prompt, list) or chat:
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)  # the template writes BOS if any
+    if not isinstance(prompt, str):
+        raise SharkportError(f"a prompt is text, token ids or chat messages, got {type(prompt).__name__}")
+    ids = tokenizer.encode(prompt)
+    if not ids:
+        raise SharkportError(f"prompt {prompt!r} encodes to no tokens; give a non-empty prompt")
+    return ids
 
 
 def _tokenizer_or_none(dataset):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from sharkport.packaged import packaged_gguf
-from tiny_models import TinyModels
+from tiny_models import TINY_EXPORT, TinyModels
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +40,30 @@ def irpa_of(tiny):
             m = tiny[name]
             made[name] = m.gguf_path.parent.parent / "model.irpa"
             import_gguf(m.gguf_path, made[name], progress=False)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def compiled_of(irpa_of):
+    """variant name → (vmfb, irpa, service config json), exported with TINY_EXPORT
+    (prefill and decode at batch sizes 1 and 4) and compiled for the host CPU, once per session."""
+    from sharkport.archive import Dataset
+    from sharkport.compile import compile_mlir
+    from sharkport.export import export_model, save_export
+
+    made: dict[str, tuple[Path, Path, Path]] = {}
+
+    def get(name: str):
+        if name not in made:
+            irpa = irpa_of(name)
+            out_dir = irpa.parent / "compiled"
+            output, service = export_model(Dataset.load(irpa), TINY_EXPORT)
+            mlir, json_path, vmfb = out_dir / "model.mlir", out_dir / "model.json", out_dir / "model.vmfb"
+            save_export(output, service, mlir, json_path)
+            compile_mlir(mlir, vmfb)
+            made[name] = (vmfb, irpa, json_path)
         return made[name]
 
     return get

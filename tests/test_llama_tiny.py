@@ -26,18 +26,18 @@ import torch
 
 from sharkport.archive import Dataset
 from sharkport.errors import SharkportError
-from sharkport.export import ExportConfig, export_model, save_export, service_config
+from sharkport.export import service_config
 from sharkport.formats.names import LLAMA_NAMES, gguf_to_hf_name, hf_to_gguf_name, permute_qk, unpermute_qk
 from sharkport.models import ModelConfig, build_model
 from sharkport.runtime.generate import generate
 from sharkport.runtime.session import EagerSession, IreeSession, Session
+from tiny_models import TINY_EXPORT
 
-STRIDE = 16
-PAGES = 64
+EXPORT = TINY_EXPORT  # compiled_of (conftest.py) exports with it too
+STRIDE = EXPORT.block_seq_stride
+PAGES = EXPORT.device_block_count
 ATOL = 1e-4
 DECODE_STEPS = 8
-EXPORT = ExportConfig(bs_prefill=(1, 4), bs_decode=(1, 4), block_seq_stride=STRIDE,
-                      device_block_count=PAGES, max_seq_len=256)
 
 MAIN_VARIANTS = ["mha-tied", "mha-untied", "gqa-tied", "gqa-untied"]
 EAGER_VARIANTS = MAIN_VARIANTS + ["mha-bias"]
@@ -61,7 +61,7 @@ BATCHES = {
     # Lengths in 1, 2 and 3 pages in one batch; each row must keep its own length.
     "bs4": Batch((3, 17, 33, 5), ((0, 37, 5), (22, 9, 51), (14, 3, 60), (41, 28, 7))),
 }
-GENERATE_LENGTHS = (3, 17, 33, 5, 9, 24)  # two groups of 4: the second has 2 dummy rows
+GENERATE_LENGTHS = (3, 17, 33, 5, 9, 24)  # more prompts than rows: 2 wait for a finished one's row
 GENERATE_NEW_TOKENS = 10
 
 
@@ -71,29 +71,8 @@ def params(names):
 
 
 # ---------------------------------------------------------------------------------------------
-# Fixtures: each model, archive and compiled module is built once per session.
+# Fixtures: each model, archive and compiled module is built once per session (conftest.py).
 # ---------------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="session")
-def compiled_of(irpa_of):
-    """name → (vmfb, irpa, service config json), exported with bs_prefill=bs_decode=(1, 4)."""
-    from sharkport.compile import compile_mlir
-
-    made: dict[str, tuple[Path, Path, Path]] = {}
-
-    def get(name: str):
-        if name not in made:
-            irpa = irpa_of(name)
-            out_dir = irpa.parent / "compiled"
-            output, service = export_model(Dataset.load(irpa), EXPORT)
-            mlir, json_path, vmfb = out_dir / "model.mlir", out_dir / "model.json", out_dir / "model.vmfb"
-            save_export(output, service, mlir, json_path)
-            compile_mlir(mlir, vmfb)
-            made[name] = (vmfb, irpa, json_path)
-        return made[name]
-
-    return get
-
 
 def eager_session(path: Path) -> EagerSession:
     model = build_model(Dataset.load(path), ModelConfig(block_seq_stride=STRIDE))

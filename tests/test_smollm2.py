@@ -1,9 +1,7 @@
 """The whole path on a real model: SmolLM2-135M-Instruct Q4_1 (llama, GQA 9/3, tied embeddings,
-Q4_1 + Q8_0 + F32) against transformers reading the same GGUF, and against iree-run-module."""
+Q4_1 + Q8_0 + F32) against transformers reading the same GGUF (iree-run-module: test_dump_inputs.py)."""
 
 import os
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -106,28 +104,3 @@ def test_teacher_forced_top1_agreement(session, smollm2_hf, hf_continuations):
         total += len(ids)
     assert total > 200
     assert agree / total >= 0.99, f"top-1 agreement {agree}/{total}"
-
-
-def test_iree_run_module_reproduces_the_runner(session, smollm2_compiled, smollm2_hf, tmp_path):
-    tool = shutil.which("iree-run-module")
-    assert tool, "iree-run-module is installed with iree-base-runtime"
-    vmfb, irpa, _ = smollm2_compiled
-    _, tok = smollm2_hf
-    ids = tok(PROMPTS[0]).input_ids
-    tokens = np.zeros((1, 32), np.int64)
-    tokens[0, : len(ids)] = ids
-    inputs = {
-        "tokens": tokens,
-        "seq_lens": np.array([len(ids)], np.int64),
-        "seq_block_ids": np.array([[3]], np.int64),
-        "cache_state": np.zeros((session.pages, session.config.page_elems), np.float32),
-    }
-    args = [tool, f"--module={vmfb}", f"--parameters=model={irpa}", "--device=local-task",
-            "--function=prefill_bs1", f"--output=@{tmp_path / 'logits.npy'}"]
-    for name, value in inputs.items():
-        np.save(tmp_path / f"{name}.npy", value)
-        args.append(f"--input=@{tmp_path / name}.npy")
-    subprocess.run(args, check=True, capture_output=True, timeout=600)
-    cli_logits = np.load(tmp_path / "logits.npy")
-    ours = session.prefill(inputs["tokens"], inputs["seq_lens"], inputs["seq_block_ids"])
-    np.testing.assert_allclose(cli_logits, ours, rtol=0, atol=1e-5)

@@ -21,7 +21,13 @@ import gguf
 import numpy as np
 import torch
 
+from sharkport.export.abi import ExportConfig
 from sharkport.formats.names import hf_to_gguf_name, permute_qk
+
+# How tiny models are exported and compiled (fixture `compiled_of`): batch sizes 1 and 4,
+# 16-token pages, 64 pages, up to 256 positions.
+TINY_EXPORT = ExportConfig(bs_prefill=(1, 4), bs_decode=(1, 4), block_seq_stride=16,
+                           device_block_count=64, max_seq_len=256)
 
 
 @dataclass(frozen=True)
