@@ -8,11 +8,20 @@ from pathlib import Path
 from ..errors import SharkportError
 
 
-def add_model_source(parser: argparse.ArgumentParser, required: bool = True) -> None:
+def add_model_source(parser: argparse.ArgumentParser, required: bool = True, hf_dataset: bool = True) -> None:
+    """--gguf-file | --irpa-file | --hf-dataset (read them back with `model_path`)."""
     src = parser.add_mutually_exclusive_group(required=required)
     src.add_argument("--gguf-file", type=Path, help="a GGUF model file (converted in memory)")
     src.add_argument("--irpa-file", type=Path, help="a parameter archive made by dump_gguf --save or import_hf")
-    add_hf_dataset(src)
+    if hf_dataset:
+        add_hf_dataset(src)
+
+
+def model_path(args: argparse.Namespace) -> Path | None:
+    """The model file or folder named by add_model_source's flags (a dataset is fetched first)."""
+    if getattr(args, "hf_dataset", None):
+        return hf_dataset_path(args.hf_dataset)
+    return args.gguf_file or args.irpa_file
 
 
 def add_hf_dataset(group) -> None:
@@ -47,7 +56,7 @@ def add_verbose(parser: argparse.ArgumentParser) -> None:
 def load_dataset(args: argparse.Namespace):
     from ..archive import Dataset  # torch loads only once the arguments are known to be good
 
-    return Dataset.load(args.gguf_file or args.irpa_file or hf_dataset_path(args.hf_dataset))
+    return Dataset.load(model_path(args))
 
 
 def batch_sizes(text: str) -> tuple[int, ...]:

@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Check that a model's metadata and tensors agree (expected tensors present, "
                     "shapes, quantized planes, entry sizes, coherent hyperparameters). Prints every "
                     "problem, one per line; exit 1 if any, 2 if the file cannot be read.")
-    add_model_source(parser)
+    add_model_source(parser, hf_dataset=False)
     parser.add_argument("--values", action="store_true",
                         help="also scan values and quantization scales for NaN/inf (reads every byte)")
     add_verbose(parser)

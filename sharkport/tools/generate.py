@@ -12,7 +12,7 @@ import sys
 
 from ..errors import cli_main
 from ..run import add_generation_args, run_generation
-from ._cli import add_model_source, add_verbose
+from ._cli import add_model_source, add_verbose, model_path
 
 
 @cli_main
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
 
     longest = args.max_new_tokens + 1024  # room for prompts up to 1024 tokens
     stride = args.block_seq_stride
-    generator = TextGenerator.eager(args.gguf_file or args.irpa_file, block_seq_stride=stride,
+    generator = TextGenerator.eager(model_path(args), block_seq_stride=stride,
                                     batch_size=args.batch_size, max_seq_len=-(-longest // stride) * stride)
     return run_generation(generator, args)
 
