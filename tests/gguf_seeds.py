@@ -73,6 +73,9 @@ def write_seed(path: Path, seed: int = 0, drop_keys: tuple[str, ...] = (),
     writer.add_token_scores([float(-i) for i in range(VOCAB)])
     writer.add_token_types([1] * VOCAB)
     writer.add_bos_token_id(1)
+    # A byte array: gguf.GGUFReader loops forever on one whose length runs past the file.
+    writer.add_key_value("sharkport.test.bytes", list(range(8)), gguf.GGUFValueType.ARRAY,
+                         sub_type=gguf.GGUFValueType.UINT8)
     for name, (type_name, shape) in (tensors or SEED_TENSORS).items():
         data = _values(type_name, shape, rng)
         if type_name in ("F32", "F16"):

@@ -74,6 +74,7 @@ CASES = {
     "absurd-key-length": (overwrite("llama.block_count key length", U64_MAX), r"length of the name of metadata key \d+ is 18446744073709551615"),
     "absurd-string-length": (overwrite("tokenizer.ggml.model string length", 2**40), r"length of the string value of tokenizer\.ggml\.model"),
     "absurd-string-array": (overwrite("tokenizer.ggml.tokens count", 2**61), r"item count of array tokenizer\.ggml\.tokens is 2305843009213693952"),
+    "absurd-byte-array": (overwrite("sharkport.test.bytes count", 2**61), r"item count of array sharkport\.test\.bytes"),
     "absurd-float-array": (overwrite("tokenizer.ggml.scores count", U64_MAX), r"item count of array tokenizer\.ggml\.scores"),
     "absurd-tensor-name": (overwrite("tensor output_norm.weight name length", 2**63), r"length of the name of tensor 1"),
     "absurd-dims": (overwrite("tensor blk.0.attn_q.weight dim 1", 2**62), r"tensor blk\.0\.attn_q\.weight .* past the end"),
