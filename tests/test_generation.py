@@ -198,8 +198,25 @@ def test_stream_closed_early_frees_pages(eager):
     events = iter(run)
     next(events)
     events.close()
-    # All pages are back: a run needing nearly the whole cache still starts.
-    assert GenerationRun(eager, [[1] * 200] * 1, GenerationConfig(max_new_tokens=50)).results()
+    # A static group of 4 x 13 pages + the scratch page needs 53 of the 64 pages: it starts only
+    # if the closed run's 13 pages came back.
+    assert GenerationRun(eager, [[1] * 200] * 4, GenerationConfig(max_new_tokens=8), continuous=False).results()
+
+
+def test_interleaved_runs_share_the_cache_safely(eager):
+    """Two streams on one session, consumed in turns, each get what they get alone: they hold
+    different pages of the session's cache."""
+    a, b = prompts_for((20, 50), seed=5), prompts_for((7, 33, 90), seed=6)
+    config = GenerationConfig(max_new_tokens=10)
+    alone = [run_tokens(eager, p, config)[0] for p in (a, b)]
+    runs = [GenerationRun(eager, p, config) for p in (a, b)]
+    streams = [iter(r) for r in runs]
+    active = list(streams)
+    while active:
+        for it in list(active):
+            if next(it, None) is None:
+                active.remove(it)
+    assert [[g[0].token_ids for g in r.results()] for r in runs] == alone
 
 
 # ---------------------------------------------------------------------------------------------

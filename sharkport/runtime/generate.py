@@ -133,6 +133,13 @@ class _Seq:
         return len(self.prompt) + len(self.tokens) - 1
 
 
+def page_allocator(session: Session) -> PageAllocator:
+    """The session's allocator: runs on one session share its cache, so they share its pages."""
+    if getattr(session, "_page_allocator", None) is None:
+        session._page_allocator = PageAllocator(session.pages)
+    return session._page_allocator
+
+
 def _pick(sizes: list[int], n: int, what: str) -> int:
     """The smallest exported batch size that holds n rows, else the largest."""
     if not sizes:
@@ -199,16 +206,14 @@ class GenerationRun:
                 s.finish_reason = "length"
             self._done = True
             return
-        allocator = PageAllocator(self.session.pages)
+        allocator = page_allocator(self.session)
         self._scratch = allocator.alloc(1)[0]  # written by padding rows only
-        usable = allocator.free_count
-        for s in self._seqs:
-            if self._pages_needed(s) > usable:
-                allocator.alloc(self._pages_needed(s))  # raises the KV exhaustion error
         waiting, running = deque(self._seqs), []
         try:
             while waiting or running:
                 admitted = self._admit(waiting, running, allocator)
+                if waiting and not admitted and not running:  # nothing will free pages for it
+                    allocator.alloc(self._pages_needed(waiting[0]))  # raises the KV exhaustion error
                 running += admitted
                 if admitted:
                     yield from self._prefill(admitted)
@@ -217,9 +222,10 @@ class GenerationRun:
                     yield from self._decode(running)
                     self._release(running, allocator)
             self._done = True
-        finally:
+        finally:  # also when the caller stops iterating (GeneratorExit) or a call fails
             for s in running:
                 allocator.free(s.pages)
+            allocator.free([self._scratch])
             self.stats.total_s += time.perf_counter() - t0
 
     def _admit(self, waiting: deque, running: list[_Seq], allocator: PageAllocator) -> list[_Seq]:

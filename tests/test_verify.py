@@ -1,0 +1,42 @@
+"""verify: passes a compiled tiny llama against its eager recipe and transformers, and fails it
+against a different transformers model (slow: uses the compiled tiny modules)."""
+
+import re
+
+import numpy as np
+import pytest
+
+from sharkport.tools import verify
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+
+
+def token_ids(n: int, seed: int) -> str:
+    return ",".join(str(t) for t in np.random.default_rng(seed).integers(0, 256, n))
+
+
+def run_verify(compiled, hf_dir, capsys):
+    vmfb, irpa, config = compiled
+    status = verify.main(["--vmfb", str(vmfb), "--irpa-file", str(irpa), "--config", str(config),
+                          "--token-ids", token_ids(5, 0), "--token-ids", token_ids(40, 1),
+                          "--hf-model", str(hf_dir), "--max-new-tokens", "6"])
+    out = capsys.readouterr().out
+    rows = {m[1]: (int(m[2]), float(m[3]), int(m[4]), m[5])
+            for m in re.finditer(r"^(\w+ vs \w+)\s+(\d+)\s+(\S+)\s+(\d+)/\d+\s+\(.*\)\s+(PASS|FAIL)$", out, re.M)}
+    return status, rows, out
+
+
+def test_faithful_module_passes(tiny, compiled_of, capsys):
+    status, rows, out = run_verify(compiled_of("gqa-untied"), tiny["gqa-untied"].hf_dir, capsys)
+    assert status == 0 and out.rstrip().splitlines()[-1].startswith("PASS")
+    assert set(rows) == {"compiled vs eager", "compiled vs transformers", "eager vs transformers"}
+    for positions, diff, agree, verdict in rows.values():
+        # positions: every prompt position plus the generated ones but the last: 5 + 40 + 2 * 5
+        assert positions == 55 and diff < 1e-3 and agree == positions and verdict == "PASS"
+
+
+def test_other_model_fails(tiny, compiled_of, capsys):
+    status, rows, _ = run_verify(compiled_of("mha-tied"), tiny["mha-untied"].hf_dir, capsys)
+    assert status == 1
+    assert rows["compiled vs eager"][3] == "PASS"
+    assert rows["compiled vs transformers"][3] == rows["eager vs transformers"][3] == "FAIL"
