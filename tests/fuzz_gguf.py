@@ -179,6 +179,7 @@ ERROR_KINDS = [
     ("more than 4 dimensions", r"dimensions; GGUF allows"),
     ("unknown ggml tensor type", r"which no known ggml type"),
     ("rows not whole quantization blocks", r"not a whole number of"),
+    ("zero-size tensor", r"holds no values"),
     ("tensor data misaligned", r"not a multiple of the file's alignment"),
     ("tensor data past the end of the file", r"past the end of the"),
     ("tensors overlap", r"overlap"),
@@ -201,6 +202,7 @@ def fuzz(cases: int, folder: Path, progress_file: Path | None = None) -> dict:
     seeds = make_seeds(folder)
     outcomes: collections.Counter[str] = collections.Counter()
     kinds: collections.Counter[str] = collections.Counter()
+    examples: dict[str, str] = {}  # kind → the first message of that kind
     bugs: list[dict] = []
     slowest = 0.0
     t_start = time.perf_counter()
@@ -228,6 +230,7 @@ def fuzz(cases: int, folder: Path, progress_file: Path | None = None) -> dict:
         outcomes[outcome] += 1
         if outcome.startswith("rejected"):
             kinds[error_kind(message)] += 1
+            examples.setdefault(error_kind(message), message.split(": ", 1)[-1])
         elif outcome == "timeout":
             bugs.append({"seed": name, "mutations": message, "error": "timeout"})
 
@@ -240,6 +243,7 @@ def fuzz(cases: int, folder: Path, progress_file: Path | None = None) -> dict:
         "seeds": {s.name: len(s.data) for s in seeds},
         "outcomes": dict(outcomes.most_common()),
         "error_kinds": dict(kinds.most_common()),
+        "error_examples": examples,
         "bugs": bugs[:20],
     }
 

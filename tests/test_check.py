@@ -139,6 +139,14 @@ def test_tiny_imports_pass(irpa_of, variant, capsys):
     assert check.main(["--irpa-file", str(irpa_of(variant)), "--values"]) == 0, capsys.readouterr().out
 
 
+def test_hf_import_passes(tiny, tmp_path, capsys):
+    from sharkport.archive import import_hf
+
+    irpa = tmp_path / "hf.irpa"
+    import_hf(tiny["mha-bias"].hf_dir, irpa, dtype=torch.bfloat16, progress=False)
+    assert check.main(["--irpa-file", str(irpa), "--values"]) == 0, capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_smollm2_import_passes(smollm2_irpa, capsys):
     assert check.main(["--irpa-file", str(smollm2_irpa), "--values"]) == 0, capsys.readouterr().out

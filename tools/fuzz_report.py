@@ -48,6 +48,12 @@ size, alignment and data range is checked. Anything the reader still rejects bec
 """
 
 
+def _cell(text: str) -> str:
+    """A message as a table cell: printable, no pipes, not too long."""
+    text = "".join(c if c.isprintable() else "?" for c in text).replace("|", "\\|")
+    return f"`{text[:157] + '...' if len(text) > 160 else text}`".replace("``", "")
+
+
 def render(result: dict, command: str) -> str:
     lines = [INTRO]
     lines.append(f"Command: `{command}` (hypothesis, derandomized, so the run is reproducible).\n")
@@ -65,8 +71,10 @@ def render(result: dict, command: str) -> str:
     lines.append(f"| bugs (other exceptions, hangs, crashes) | {len(result['bugs'])} |\n")
     lines.append("Outcomes:\n\n| outcome | cases |\n|---|---|")
     lines += [f"| {k} | {v} |" for k, v in result["outcomes"].items()]
-    lines.append("\nRejections by kind (`tests/fuzz_gguf.py` ERROR_KINDS):\n\n| error | cases |\n|---|---|")
-    lines += [f"| {k} | {v} |" for k, v in result["error_kinds"].items()]
+    lines.append("\nRejections by kind (`tests/fuzz_gguf.py` ERROR_KINDS), with the first message of "
+                 "each kind (after the file name):\n\n| error | cases | first message |\n|---|---|---|")
+    examples = result.get("error_examples", {})
+    lines += [f"| {k} | {v} | {_cell(examples.get(k, ''))} |" for k, v in result["error_kinds"].items()]
     lines.append(f"\nMeasured with gguf {version('gguf')}, numpy {version('numpy')}, Python "
                  f"{platform.python_version()} on {platform.machine()}.")
     if result["bugs"]:

@@ -283,9 +283,10 @@ def _check_tensor_data(path: Path, size: int, infos: list[_TensorInfo], data_sta
     for t in infos:
         where = f"{path}: tensor {t.name} (header entry at offset {t.info_offset})"
         block, type_size = gguf.GGML_QUANT_SIZES[t.type]
-        if t.ne and t.ne[0] % block:
+        row = t.ne[0] if t.ne else 1  # a 0-d tensor is one value
+        if row % block:
             raise SharkportError(
-                f"{where}: rows of {t.ne[0]} values are not a whole number of {t.type.name} "
+                f"{where}: rows of {row} values are not a whole number of {t.type.name} "
                 f"blocks of {block}; the shape and the type disagree, so the file is corrupt")
         n_elements = int(np.prod(t.ne, dtype=object)) if t.ne else 1
         if n_elements == 0:
