@@ -158,6 +158,8 @@ def test_fetch_downloads_then_uses_the_cache_then_works_offline(hub, tiny_hf_mod
     server.stop()
 
     # server gone, offline: the tools work from the cache
+    from sharkport.archive import Dataset
+
     out = tmp_path / "from_cache.irpa"
     r = run(env, "sharkport.tools.import_hf", "--hf-dataset", "tiny-hf", "--save", str(out), offline=True)
     assert r.returncode == 0, r.stderr
@@ -169,9 +171,21 @@ def test_fetch_downloads_then_uses_the_cache_then_works_offline(hub, tiny_hf_mod
     assert r.returncode == 0, r.stderr
     assert "the student" in r.stdout
 
-    # the archive imported from the cache is the same model as the one imported from the folder
-    from sharkport.archive import Dataset
+    # run --hf-dataset: an archive imported once from the cache into SHARKPORT_CACHE, then reused
+    script = "from sharkport.datasets import dataset_archive; print(dataset_archive('tiny-hf', progress=False))"
+    first_irpa = subprocess.run([sys.executable, "-c", script], env=dict(env, HF_HUB_OFFLINE="1"),
+                                capture_output=True, text=True, timeout=300)
+    assert first_irpa.returncode == 0, first_irpa.stderr
+    irpa = Path(first_irpa.stdout.strip())
+    assert irpa.parent == tmp_path / "sharkport_cache" and "importing tiny-hf" in first_irpa.stderr
+    again = subprocess.run([sys.executable, "-c", script], env=dict(env, HF_HUB_OFFLINE="1"),
+                           capture_output=True, text=True, timeout=300)
+    assert Path(again.stdout.strip()) == irpa and "importing" not in again.stderr
+    assert Dataset.load(irpa).metadata["tensors"] == Dataset.load(out).metadata["tensors"]
+    r = run(env, "sharkport.run", "--help")
+    assert "--hf-dataset" in r.stdout
 
+    # the archive imported from the cache is the same model as the one imported from the folder
     cached, direct = Dataset.load(out), Dataset.load(tiny_hf_model.hf_dir)
     assert cached.metadata["tensors"] == direct.metadata["tensors"]
     assert cached.tokenizer().encode("the student") == direct.tokenizer().encode("the student")
