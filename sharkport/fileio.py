@@ -16,6 +16,7 @@ def atomic_output(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix + ".tmp", dir=path.parent)
+    os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it 0600; give the output a normal file's mode
     os.close(fd)
     tmp = Path(tmp)
     try:
@@ -23,3 +24,9 @@ def atomic_output(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

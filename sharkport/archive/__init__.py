@@ -19,7 +19,7 @@ from ..quant import BLOCK_TYPES, PLAIN_TYPES, check_supported
 from .irpa import ARCHIVE_VERSION, Entry, read_archive, weight_entries, write_archive
 from .tensors import QuantizedTensor, Theta, Weight
 
-__all__ = ["Dataset", "QuantizedTensor", "Theta", "Weight", "import_gguf", "import_hf",
+__all__ = ["Dataset", "QuantizedTensor", "Theta", "Weight", "import_gguf", "import_hf", "save_dataset",
            "gguf_archive_metadata", "hf_archive_metadata"]
 
 
@@ -145,6 +145,32 @@ def import_gguf(gguf_file: str | os.PathLike | GgufFile, irpa_path: str | os.Pat
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"import {gg.path.name}",
               disable=not progress) as bar:
         write_archive(irpa_path, entries(), metadata, progress=bar)
+    return metadata
+
+
+def save_dataset(dataset: Dataset, irpa_path: str | os.PathLike, progress: bool = True,
+                 source: str | None = None) -> dict[str, Any]:
+    """Writes any Dataset (e.g. a requantized view of one) as an .irpa, reading one weight at a
+    time from its theta, atomically. Returns the metadata written."""
+    irpa_path = Path(irpa_path)
+    if irpa_path.exists() and irpa_path.resolve() == Path(dataset.path).resolve():
+        raise SharkportError(f"{irpa_path}: refusing to overwrite the input file; choose another output path")
+    metadata = {**dataset.metadata, "source": source or dataset.metadata.get("source", Path(dataset.path).name)}
+
+    def entries(bar) -> Iterator[Entry]:
+        for name in metadata["tensors"]:
+            w = dataset.theta[name]
+            if isinstance(w, QuantizedTensor):
+                for plane, t in w.planes.items():
+                    yield Entry(f"{name}:{plane}", t.dtype, tuple(t.shape), data=t.numpy())
+            else:
+                bits = w.view(torch.int16) if w.dtype == torch.bfloat16 else w
+                yield Entry(name, w.dtype, tuple(w.shape), data=bits.contiguous().numpy())
+            bar.update(1)
+
+    with tqdm(total=len(metadata["tensors"]), unit="tensor", desc=f"write {irpa_path.name}",
+              disable=not progress) as bar:
+        write_archive(irpa_path, entries(bar), metadata)
     return metadata
 
 

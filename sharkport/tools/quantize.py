@@ -1,0 +1,77 @@
+"""Quantize a model's weights to a ggml type, into a parameter archive and/or a GGUF file.
+
+    python -m sharkport.tools.quantize --irpa-file in.irpa --type q8_0 --save out.irpa
+    python -m sharkport.tools.quantize --gguf-file in.gguf --type q4_1 \\
+        --type-map 'output\\.weight=q8_0' --type-map 'ffn_down=f16' --output-gguf out.gguf
+
+Matrices whose rows fill whole blocks get --type; norms, biases and other 1-D tensors keep
+their type; --type-map rules (first match wins) override both. Values are quantized from
+float32 with gguf.quants (llama.cpp's reference algorithm), one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from ..errors import SharkportError, cli_main
+from ._cli import add_model_source, add_verbose, model_path
+
+
+@cli_main
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m sharkport.tools.quantize",
+        description="Quantize a model's matrices to a ggml type (q8_0, q4_0, q4_1, q5_0, q5_1, or "
+                    "f16/bf16/f32) and write a parameter archive (--save) and/or a GGUF (--output-gguf).")
+    add_model_source(parser)
+    parser.add_argument("--type", metavar="TYPE",
+                        help="the type of every matrix whose rows fill whole blocks: q8_0, q4_0, q4_1, "
+                             "q5_0, q5_1, f16, bf16 or f32 (default: keep each tensor's type)")
+    parser.add_argument("--type-map", action="append", default=[], metavar="REGEX=TYPE",
+                        help="tensors whose name matches REGEX (re.search) get TYPE; repeatable, first "
+                             "match wins, e.g. --type-map 'output\\.weight=q8_0'")
+    parser.add_argument("--save", type=Path, metavar="OUT.irpa", help="write the quantized parameter archive")
+    parser.add_argument("--output-gguf", type=Path, metavar="OUT.gguf", help="write the quantized GGUF file")
+    add_verbose(parser)
+    args = parser.parse_args(argv)
+    if not args.save and not args.output_gguf:
+        parser.error("nothing to write: pass --save OUT.irpa and/or --output-gguf OUT.gguf")
+
+    from ..archive import Dataset, save_dataset
+    from ..quant.quantize import TypeRule, parse_type, plan_types, requantized
+
+    default = parse_type(args.type) if args.type else None
+    rules = [TypeRule.parse(text) for text in args.type_map]
+    if default is None and not rules:
+        raise SharkportError("nothing to change: pass --type TYPE and/or --type-map REGEX=TYPE")
+    source = model_path(args)
+    dataset = Dataset.load(source)
+    if args.output_gguf:  # what the GGUF writer needs, checked before anything is written
+        from ..formats.keys import LlamaHParams
+
+        LlamaHParams.from_metadata(dataset.hparams)
+    plan = plan_types(dataset.metadata["tensors"], default, rules)
+    quantized = requantized(dataset, plan)
+    progress = sys.stderr.isatty()
+
+    t0 = time.perf_counter()
+    if args.save:
+        save_dataset(quantized, args.save, progress=progress)
+        print(f"wrote {args.save}", file=sys.stderr)
+    if args.output_gguf:
+        from .to_gguf import write_gguf
+
+        write_gguf(quantized, args.output_gguf, progress=progress)
+        print(f"wrote {args.output_gguf}", file=sys.stderr)
+    counts = Counter(plan.values())
+    summary = ", ".join(f"{n} {t.lower()}" for t, n in sorted(counts.items()))
+    print(f"{len(plan)} tensors ({summary}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
