@@ -61,8 +61,8 @@ class TextGenerator:
         from .archive import Dataset
         from .runtime.session import IreeSession
 
-        session = IreeSession(vmfb, irpa, config, pages=pages, device=device)
-        return cls(session, _tokenizer_or_none(Dataset.load(irpa)))
+        tokenizer = _tokenizer_or_none(Dataset.load(irpa))  # checks the archive first
+        return cls(IreeSession(vmfb, irpa, config, pages=pages, device=device), tokenizer)
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike, cache_dir: str | os.PathLike | None = None,
