@@ -195,7 +195,7 @@ def _edit_config(path: Path, **changes) -> None:
 
 
 def _break_unknown_arch(d: Path) -> None:
-    _edit_config(d, architectures=["GPT2LMHeadModel"])
+    _edit_config(d, architectures=["BertForMaskedLM"])
 
 
 def _break_shape(d: Path) -> None:
@@ -226,7 +226,7 @@ def _break_no_config(d: Path) -> None:
 
 
 BROKEN = {
-    "unknown-arch": ("single", _break_unknown_arch, r"GPT2LMHeadModel.*not supported"),
+    "unknown-arch": ("single", _break_unknown_arch, r"BertForMaskedLM.*not supported"),
     "shape-mismatch": ("single", _break_shape, r"model\.layers\.0\.mlp\.(gate|up|down)_proj\.weight has shape"),
     "missing-shard": ("sharded", _break_missing_shard, r"model-\d+-of-\d+\.safetensors: shard listed"),
     "missing-tensor": ("sharded", _break_missing_tensor, r"missing tensors blk\.1\.ffn_up\.weight"),

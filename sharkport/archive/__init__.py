@@ -15,6 +15,7 @@ from tqdm import tqdm
 from ..errors import SharkportError
 from ..formats.gguf import GgufFile, GgufTensor, read_gguf
 from ..formats.hf import HfCheckpoint, PlannedTensor, hf_tokenizer_files, read_hf
+from ..formats.names import gguf_rope_layout
 from ..quant import BLOCK_TYPES, PLAIN_TYPES, check_supported
 from .irpa import ARCHIVE_VERSION, Entry, read_archive, weight_entries, write_archive
 from .tensors import QuantizedTensor, Theta, Weight
@@ -94,8 +95,8 @@ def gguf_archive_metadata(gg: GgufFile) -> dict[str, Any]:
         "source": gg.path.name,
         "hparams": hparams,
         "tokenizer": {k: v for k, v in gg.metadata.items() if k.startswith("tokenizer.")},
-        # llama.cpp's converter permutes Q/K so that rotary pairs are adjacent (interleaved).
-        "rope_layout": "interleaved",
+        # llama.cpp's converter permutes llama's Q/K so that rotary pairs are adjacent (interleaved).
+        "rope_layout": gguf_rope_layout(arch or ""),
         "tensors": {t.name: _layout(t.type_name, t.shape) for t in gg.tensors},
     }
 
@@ -138,8 +139,15 @@ def import_gguf(gguf_file: str | os.PathLike | GgufFile, irpa_path: str | os.Pat
     metadata = gguf_archive_metadata(gg)
 
     def entries() -> Iterator[Entry]:
-        for t in gg.tensors:
-            yield from weight_entries(t.name, t.type_name, t.shape, _raw_bytes(t), gg.path, t.offset)
+        with open(gg.path, "rb") as f:
+            for t in gg.tensors:
+                if t.type_name in PLAIN_TYPES:  # copied from the file by IREE, not through memory
+                    yield from weight_entries(t.name, t.type_name, t.shape, _raw_bytes(t), gg.path, t.offset)
+                    continue
+                # Planes are split from a private read of the blocks, not from the memory map:
+                # mapped pages stay resident, so the whole file would count as our memory.
+                f.seek(t.offset)
+                yield from weight_entries(t.name, t.type_name, t.shape, np.fromfile(f, np.uint8, t.n_bytes))
 
     total = sum(t.n_bytes for t in gg.tensors)
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"import {gg.path.name}",

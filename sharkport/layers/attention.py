@@ -1,4 +1,6 @@
-"""Self-attention over the paged KV cache (llama family: GQA, rotary, optional Q/K/V biases)."""
+"""Self-attention over the paged KV cache: GQA, rotary, optional Q/K/V biases, and the options
+later families added (a sliding window, Q/K RMSNorm, a custom scale and soft-capping, a fused
+QKV projection)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..archive.tensors import Theta
-from ..ops import apply_rope, attention, causal_mask, length_mask, linear
+from ..ops import apply_rope, attention, causal_mask, length_mask, linear, rms_norm
 from .paged_cache import PagedCache
 
 
@@ -17,26 +19,48 @@ class AttentionConfig:
     kv_heads: int
     head_dim: int
     rope_layout: str  # "interleaved" (GGUF) or "half" (HF)
+    window: int = 0               # sliding window (keys i - j < window); 0: all earlier keys
+    scale: float | None = None    # q·k scale; None: head_dim ** -0.5
+    logit_cap: float = 0.0        # soft-capping of the scores (0: none)
+    qk_norm_eps: float | None = None  # RMSNorm of each head's q and k by attn_{q,k}_norm (Gemma-3)
 
 
 class PagedAttention(torch.nn.Module):
-    """Projects Q/K/V from `attn_q`, `attn_k`, `attn_v`, applies rotary embedding, stores K/V in
-    the paged cache, attends, and projects back through `attn_output`."""
+    """Projects Q/K/V from `attn_q`, `attn_k`, `attn_v` (or one fused `attn_qkv`), applies rotary
+    embedding (unless `rope` is None), stores K/V in the paged cache, attends, and projects back
+    through `attn_output`."""
 
     def __init__(self, theta: Theta, config: AttentionConfig, cache: PagedCache, layer: int):
         super().__init__()
         self.theta, self.config, self.cache, self.layer = theta, config, cache, layer
 
-    def _qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+    def _project(self, x: torch.Tensor):
+        t, c = self.theta, self.config
+        if "attn_qkv.weight" in t:  # GPT-2: one [q; k; v] projection
+            qkv = linear(x, t["attn_qkv.weight"], t.get("attn_qkv.bias"))
+            return qkv.split([c.heads * c.head_dim, c.kv_heads * c.head_dim, c.kv_heads * c.head_dim], -1)
+        return (linear(x, t["attn_q.weight"], t.get("attn_q.bias")),
+                linear(x, t["attn_k.weight"], t.get("attn_k.bias")),
+                linear(x, t["attn_v.weight"], t.get("attn_v.bias")))
+
+    def _qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None):
         t, c = self.theta, self.config
         B, S, _ = x.shape
-        q = linear(x, t["attn_q.weight"], t.get("attn_q.bias")).view(B, S, c.heads, c.head_dim)
-        k = linear(x, t["attn_k.weight"], t.get("attn_k.bias")).view(B, S, c.kv_heads, c.head_dim)
-        v = linear(x, t["attn_v.weight"], t.get("attn_v.bias")).view(B, S, c.kv_heads, c.head_dim)
+        q, k, v = self._project(x)
+        q = q.reshape(B, S, c.heads, c.head_dim)
+        k = k.reshape(B, S, c.kv_heads, c.head_dim)
+        v = v.reshape(B, S, c.kv_heads, c.head_dim)
+        if c.qk_norm_eps is not None:
+            q = rms_norm(q, t["attn_q_norm.weight"], c.qk_norm_eps)
+            k = rms_norm(k, t["attn_k_norm.weight"], c.qk_norm_eps)
+        if rope is None:
+            return q, k, v
         cos, sin = rope
         return apply_rope(q, cos, sin, c.rope_layout), apply_rope(k, cos, sin, c.rope_layout), v
 
-    def _out(self, a: torch.Tensor) -> torch.Tensor:
+    def _attend(self, q, k, v, mask) -> torch.Tensor:
+        c = self.config
+        a = attention(q, k, v, mask, c.scale, c.logit_cap)
         return linear(a.flatten(2), self.theta["attn_output.weight"], self.theta.get("attn_output.bias"))
 
     def prefill(self, x: torch.Tensor, rope, cache_state: torch.Tensor,
@@ -44,12 +68,14 @@ class PagedAttention(torch.nn.Module):
         """x [B, S, E] from position 0; attends causally to itself and fills the pages."""
         q, k, v = self._qkv(x, rope)
         self.cache.write_blocks(cache_state, self.layer, k, v, seq_block_ids)
-        return self._out(attention(q, k, v, causal_mask(x.shape[1], q.dtype, q.device)))
+        return self._attend(q, k, v, causal_mask(x.shape[1], q.dtype, q.device, self.config.window))
 
     def decode(self, x: torch.Tensor, rope, cache_state: torch.Tensor, seq_block_ids: torch.Tensor,
                start_positions: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        """x [B, 1, E] at start_positions; attends to the cached positions < seq_lens."""
+        """x [B, 1, E] at start_positions; attends to the cached positions < seq_lens (and within
+        the window)."""
         q, k, v = self._qkv(x, rope)
         self.cache.write_positions(cache_state, self.layer, k, v, seq_block_ids, start_positions)
         k_all, v_all = self.cache.read(cache_state, self.layer, seq_block_ids, q.dtype)
-        return self._out(attention(q, k_all, v_all, length_mask(seq_lens, k_all.shape[1], q.dtype)))
+        mask = length_mask(seq_lens, k_all.shape[1], q.dtype, self.config.window)
+        return self._attend(q, k_all, v_all, mask)

@@ -1,4 +1,4 @@
-"""Feed-forward blocks."""
+"""Feed-forward blocks: gated (SwiGLU, GeGLU), a mixture of gated experts, and GPT-2's MLP."""
 
 from __future__ import annotations
 
@@ -6,11 +6,55 @@ import torch
 import torch.nn.functional as F
 
 from ..archive.tensors import Theta
-from ..ops import linear
+from ..ops import expert, gelu_tanh, linear
 
 
 class SwiGLU(torch.nn.Module):
-    """down(silu(gate(x)) * up(x)) over `ffn_gate`, `ffn_up`, `ffn_down`."""
+    """down(act(gate(x)) * up(x)) over `ffn_gate`, `ffn_up`, `ffn_down`; act is SiLU (llama) or
+    tanh-GELU (Gemma's GeGLU)."""
+
+    def __init__(self, theta: Theta, activation=F.silu):
+        super().__init__()
+        self.theta, self.activation = theta, activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.theta
+        return linear(self.activation(linear(x, t["ffn_gate.weight"])) * linear(x, t["ffn_up.weight"]),
+                      t["ffn_down.weight"])
+
+
+def GeGLU(theta: Theta) -> SwiGLU:
+    return SwiGLU(theta, gelu_tanh)
+
+
+class MixtureOfExperts(torch.nn.Module):
+    """Mixtral's sparse MoE: the router `ffn_gate_inp` [X, E] scores X experts per token, the
+    `used` best are kept with softmax weights renormalized over them, and the output is their
+    weighted sum of SwiGLU experts from the stacked `ffn_{gate,up,down}_exps` [X, ...].
+
+    Every expert runs on every token and unrouted ones get weight 0: a static graph that traces
+    and compiles as is, at X/used times the work of a gather of routed experts."""
+
+    def __init__(self, theta: Theta, experts: int, used: int):
+        super().__init__()
+        self.theta, self.experts, self.used = theta, experts, used
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.theta
+        router = torch.softmax(linear(x, t["ffn_gate_inp.weight"]).to(torch.float32), dim=-1)  # [..., X]
+        top, index = torch.topk(router, self.used, dim=-1)
+        top = top / top.sum(dim=-1, keepdim=True)
+        weights = torch.zeros_like(router).scatter(-1, index, top).to(x.dtype)  # [..., X], 0 if unrouted
+        out = torch.zeros_like(x)
+        for i in range(self.experts):
+            gate = linear(x, expert(t["ffn_gate_exps.weight"], i))
+            up = linear(x, expert(t["ffn_up_exps.weight"], i))
+            out = out + weights[..., i:i + 1] * linear(F.silu(gate) * up, expert(t["ffn_down_exps.weight"], i))
+        return out
+
+
+class GeluMLP(torch.nn.Module):
+    """GPT-2: down(gelu_tanh(up(x))) over `ffn_up`, `ffn_down`, each with its bias."""
 
     def __init__(self, theta: Theta):
         super().__init__()
@@ -18,5 +62,5 @@ class SwiGLU(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = self.theta
-        return linear(F.silu(linear(x, t["ffn_gate.weight"])) * linear(x, t["ffn_up.weight"]),
-                      t["ffn_down.weight"])
+        h = gelu_tanh(linear(x, t["ffn_up.weight"], t.get("ffn_up.bias")))
+        return linear(h, t["ffn_down.weight"], t.get("ffn_down.bias"))

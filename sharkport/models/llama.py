@@ -1,5 +1,13 @@
 """The llama family: RMSNorm, rotary GQA attention over a paged cache, SwiGLU, tied or separate
-output. Hyperparameters come from GGUF keys (see formats/keys.py)."""
+output. Hyperparameters come from GGUF keys (see formats/keys.py).
+
+The same recipe runs the models llama.cpp files as `llama` and their close cousins:
+* Mistral: `llama.attention.sliding_window` > 0 limits every layer to the last `window` keys.
+* Mixtral: `llama.expert_count` > 0 swaps SwiGLU for a mixture of experts (`ffn_gate_inp`,
+  `ffn_{gate,up,down}_exps`), `expert_used_count` of them per token.
+* Qwen2 (`general.architecture = qwen2`): Q/K/V biases (read whenever present) and HF's
+  rotary layout in its GGUF files too (recorded as the archive's `rope_layout`).
+"""
 
 from __future__ import annotations
 
@@ -8,8 +16,7 @@ import torch
 from ..archive import Dataset
 from ..errors import SharkportError
 from ..formats.keys import LlamaHParams
-from ..layers import PagedAttention, PagedCache, SwiGLU
-from ..layers.attention import AttentionConfig
+from ..layers import AttentionConfig, MixtureOfExperts, PagedAttention, PagedCache, SwiGLU
 from ..ops import embedding, linear, rms_norm, rope_angles
 from .base import CausalLM, ModelConfig
 
@@ -21,11 +28,15 @@ class Llama(CausalLM):
         self.hp, self.config, self.theta = hp, config, dataset.theta
         self._check_tensors(dataset)
         self.cache = PagedCache(hp.block_count, hp.head_count_kv, hp.head_dim, config.block_seq_stride)
-        attn = AttentionConfig(hp.head_count, hp.head_count_kv, hp.head_dim, dataset.rope_layout)
+        attn = AttentionConfig(hp.head_count, hp.head_count_kv, hp.head_dim, dataset.rope_layout,
+                               window=hp.sliding_window)
         self.attention = torch.nn.ModuleList(
             PagedAttention(self.theta("blk", i), attn, self.cache, i) for i in range(hp.block_count)
         )
-        self.ffn = torch.nn.ModuleList(SwiGLU(self.theta("blk", i)) for i in range(hp.block_count))
+        self.ffn = torch.nn.ModuleList(
+            MixtureOfExperts(self.theta("blk", i), hp.expert_count, hp.expert_used_count) if hp.expert_count
+            else SwiGLU(self.theta("blk", i)) for i in range(hp.block_count)
+        )
         # Tied embeddings: GGUF files simply omit output.weight.
         output = self.theta.get("output.weight")
         self.output = output if output is not None else self.theta["token_embd.weight"]
@@ -39,17 +50,18 @@ class Llama(CausalLM):
         return self.hp.context_length
 
     def _check_tensors(self, dataset: Dataset) -> None:
+        ffn = (("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps") if self.hp.expert_count
+               else ("ffn_gate", "ffn_up", "ffn_down"))
         expected = ["token_embd.weight", "output_norm.weight"] + [
             f"blk.{i}.{n}.weight" for i in range(self.hp.block_count)
-            for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
-                      "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+            for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", *ffn)
         ]
         missing = [n for n in expected if n not in self.theta]
         if missing:
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
             raise SharkportError(
-                f"{dataset.path}: llama model is missing tensors {', '.join(missing[:3])}{more}; "
-                "the file is incomplete or not a llama model"
+                f"{dataset.path}: {self.hp.arch} model is missing tensors {', '.join(missing[:3])}{more}; "
+                f"the file is incomplete or not a {self.hp.arch} model"
             )
 
     def _rope(self, positions: torch.Tensor):

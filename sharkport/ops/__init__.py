@@ -29,6 +29,13 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     return y if bias is None else y + cast(bias, x.dtype)
 
 
+def expert(w: Weight, index: int) -> Weight:
+    """Slice `index` of a stacked expert weight [X, out, in] (plain or quantized) → [out, in]."""
+    if isinstance(w, QuantizedTensor):
+        return QuantizedTensor(w.type_name, tuple(w.shape[1:]), {k: p[index] for k, p in w.planes.items()})
+    return w[index]
+
+
 def embedding(ids: torch.Tensor, w: Weight, dtype: torch.dtype) -> torch.Tensor:
     """ids [...] → [..., D]; a quantized table dequantizes only the rows it gathers."""
     return cast(w.rows(ids) if isinstance(w, QuantizedTensor) else w[ids], dtype)
@@ -38,6 +45,23 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = cast(x, torch.float32)
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return cast(y * cast(w, torch.float32), x.dtype)
+
+
+def layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm over the last dim, computed in float32 (GPT-2)."""
+    x32 = cast(x, torch.float32)
+    y = torch.nn.functional.layer_norm(x32, (x.shape[-1],), cast(w, torch.float32), cast(b, torch.float32), eps)
+    return cast(y, x.dtype)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """The tanh approximation of GELU (HF `gelu_new` / `gelu_pytorch_tanh`)."""
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap): Gemma's soft logit capping; x unchanged when cap is 0."""
+    return torch.tanh(x / cap) * cap if cap else x
 
 
 def rope_angles(positions: torch.Tensor, rope_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,9 +93,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: st
     return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+              scale: float | None = None, logit_cap: float = 0.0) -> torch.Tensor:
     """Grouped-query attention. q [B, S, H, D], k/v [B, T, Hkv, D], mask [B|1, 1, S|1, T] additive
     (0 or -inf) → [B, S, H, D]. Query head h reads kv head h // G (G = H / Hkv), as in llama.
+    Scores are q·k * scale (default D^-0.5), soft-capped by `logit_cap` when it is not 0.
 
     The G query heads of a kv head are folded into the sequence axis ([B, Hkv, G*S, D]), so K and
     V are used as they are, never repeated (less memory traffic than repeat_interleave)."""
@@ -82,21 +108,29 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, D]
     if mask.shape[2] != 1 and G > 1:  # a per-query mask repeats for each group folded into rows
         mask = mask.repeat(1, 1, G, 1)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * (D ** -0.5) + mask  # [B, Hkv, G*S, T]
+    scores = softcap(torch.matmul(q, k.transpose(-1, -2)) * (D ** -0.5 if scale is None else scale),
+                     logit_cap) + mask  # [B, Hkv, G*S, T]
     probs = cast(torch.softmax(cast(scores, torch.float32), dim=-1), q.dtype)
     out = torch.matmul(probs, v)  # [B, Hkv, G*S, D]
     return out.unflatten(2, (G, S)).permute(0, 3, 1, 2, 4).reshape(B, S, H, D)
 
 
-def causal_mask(seq_len: int, dtype: torch.dtype, device=None) -> torch.Tensor:
-    """[1, 1, S, S] additive mask: position i sees keys 0..i."""
+def causal_mask(seq_len: int, dtype: torch.dtype, device=None, window: int = 0) -> torch.Tensor:
+    """[1, 1, S, S] additive mask: position i sees keys 0..i, or with a sliding `window` only the
+    last `window` of them (keys j with i - j < window, as transformers and llama.cpp count)."""
     full = torch.full((seq_len, seq_len), float("-inf"), dtype=dtype, device=device)
-    return torch.triu(full, diagonal=1)[None, None]
+    mask = torch.triu(full, diagonal=1)
+    if window:
+        mask = mask + torch.tril(full, diagonal=-window)
+    return mask[None, None]
 
 
-def length_mask(seq_lens: torch.Tensor, key_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """seq_lens [B] → [B, 1, 1, T] additive mask hiding keys at positions ≥ seq_len."""
+def length_mask(seq_lens: torch.Tensor, key_len: int, dtype: torch.dtype, window: int = 0) -> torch.Tensor:
+    """seq_lens [B] → [B, 1, 1, T] additive mask hiding keys at positions ≥ seq_len, and with a
+    sliding `window` also those at positions ≤ seq_len - 1 - window (the query is at seq_len - 1)."""
     positions = torch.arange(key_len, device=seq_lens.device)
     hidden = positions[None, :] >= seq_lens[:, None]
+    if window:
+        hidden = hidden | (positions[None, :] <= seq_lens[:, None] - 1 - window)
     zeros = torch.zeros(hidden.shape, dtype=dtype, device=seq_lens.device)
     return zeros.masked_fill(hidden, float("-inf"))[:, None, None, :]

@@ -1,0 +1,104 @@
+"""Gemma-3 (text): the llama skeleton with Gemma's differences, all kept here.
+
+* Embeddings scaled by sqrt(hidden); GeGLU (tanh-GELU) feed-forward.
+* Four RMSNorms per block: before and after attention (`attn_norm`, `post_attention_norm`) and
+  before and after the feed-forward (`ffn_norm`, `post_ffw_norm`), plus RMSNorm of each head's
+  q and k (`attn_q_norm`, `attn_k_norm`). HF scales by (1 + w); GGUF files (and HF imports,
+  see formats/hf.py) store 1 + w, so every norm here is a plain RMSNorm.
+* Interleaved local / global attention: local layers see the last `sliding_window` keys and use
+  rope base `rope.freq_base_swa` (10000); global layers see everything with `rope.freq_base`.
+  llama.cpp makes every 6th layer global; HF imports record `layer_types` per layer.
+* head_dim (`attention.key_length`, 256 for the released models) need not be hidden / heads;
+  q·k is scaled by `attention.scale` (HF query_pre_attn_scalar ** -0.5, default head_dim ** -0.5).
+* Optional soft-capping of attention scores and final logits.
+* HF's rotary layout: llama.cpp does not permute Gemma's Q/K rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..archive import Dataset
+from ..errors import SharkportError
+from ..formats.keys import Gemma3HParams
+from ..layers import AttentionConfig, GeGLU, PagedAttention, PagedCache
+from ..ops import embedding, linear, rms_norm, rope_angles, softcap
+from .base import CausalLM, ModelConfig
+
+_BLOCK_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_output",
+                  "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm")
+
+
+class Gemma3(CausalLM):
+    def __init__(self, dataset: Dataset, config: ModelConfig):
+        super().__init__()
+        hp = Gemma3HParams.from_metadata(dataset.hparams)
+        self.hp, self.config, self.theta = hp, config, dataset.theta
+        missing = [n for n in ["token_embd.weight", "output_norm.weight"] + [
+            f"blk.{i}.{n}.weight" for i in range(hp.block_count) for n in _BLOCK_TENSORS] if n not in self.theta]
+        if missing:
+            raise SharkportError(f"{dataset.path}: gemma3 model is missing tensors {', '.join(missing[:3])}"
+                                 f"{' and more' if len(missing) > 3 else ''}; the file is incomplete")
+        self.cache = PagedCache(hp.block_count, hp.head_count_kv, hp.head_dim, config.block_seq_stride)
+        self.sliding = [hp.is_sliding(i) for i in range(hp.block_count)]
+
+        def attention_config(sliding: bool) -> AttentionConfig:
+            return AttentionConfig(hp.head_count, hp.head_count_kv, hp.head_dim, dataset.rope_layout,
+                                   window=hp.sliding_window if sliding else 0, scale=hp.attention_scale,
+                                   logit_cap=hp.attn_logit_softcapping, qk_norm_eps=hp.rms_eps)
+
+        self.attention = torch.nn.ModuleList(
+            PagedAttention(self.theta("blk", i), attention_config(self.sliding[i]), self.cache, i)
+            for i in range(hp.block_count)
+        )
+        self.ffn = torch.nn.ModuleList(GeGLU(self.theta("blk", i)) for i in range(hp.block_count))
+        output = self.theta.get("output.weight")
+        self.output = output if output is not None else self.theta["token_embd.weight"]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hp.vocab_size
+
+    @property
+    def context_length(self) -> int:
+        return self.hp.context_length
+
+    def _ropes(self, positions: torch.Tensor) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
+        """{sliding: (cos, sin)}: local and global layers rotate with different bases."""
+        hp = self.hp
+        return {True: rope_angles(positions, hp.rope_dim, hp.rope_freq_base_swa),
+                False: rope_angles(positions, hp.rope_dim, hp.rope_freq_base)}
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = embedding(tokens, self.theta["token_embd.weight"], self.config.dtype)
+        # HF multiplies by sqrt(hidden) rounded to the activation dtype.
+        return h * torch.tensor(self.hp.embedding_length ** 0.5, dtype=h.dtype)
+
+    def _block(self, i: int, h: torch.Tensor, attend) -> torch.Tensor:
+        t, eps = self.theta("blk", i), self.hp.rms_eps
+        a = attend(self.attention[i], rms_norm(h, t["attn_norm.weight"], eps))
+        h = h + rms_norm(a, t["post_attention_norm.weight"], eps)
+        f = self.ffn[i](rms_norm(h, t["ffn_norm.weight"], eps))
+        return h + rms_norm(f, t["post_ffw_norm.weight"], eps)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        h = rms_norm(h, self.theta["output_norm.weight"], self.hp.rms_eps)
+        return softcap(linear(h, self.output).to(torch.float32), self.hp.final_logit_softcapping)
+
+    def prefill(self, tokens, seq_lens, seq_block_ids, cache_state):
+        B, S = tokens.shape
+        ropes = self._ropes(torch.arange(S, device=tokens.device).unsqueeze(0).expand(B, S))
+        h = self._embed(tokens)
+        for i in range(self.hp.block_count):
+            rope = ropes[self.sliding[i]]
+            h = self._block(i, h, lambda attn, x: attn.prefill(x, rope, cache_state, seq_block_ids))
+        return self._logits(h)
+
+    def decode(self, tokens, seq_lens, start_positions, seq_block_ids, cache_state):
+        ropes = self._ropes(start_positions.unsqueeze(1))
+        h = self._embed(tokens)
+        for i in range(self.hp.block_count):
+            rope = ropes[self.sliding[i]]
+            h = self._block(i, h, lambda attn, x: attn.decode(
+                x, rope, cache_state, seq_block_ids, start_positions, seq_lens))
+        return self._logits(h)
