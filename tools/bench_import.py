@@ -1,0 +1,146 @@
+#!/usr/bin/env python
+"""Import throughput and peak memory of `dump_gguf --save` on big GGUF files:
+
+    python tools/bench_import.py [--work-dir artifacts/bench_import] [--layers 22] [--types F16,Q8_0]
+
+Writes (once, then reuses) a random-weight llama of TinyLlama-1.1B's shape (hidden 2048, ffn 5632,
+32 heads / 4 kv heads, vocab 32000, 22 layers: 1.1B parameters) as one GGUF per type, streamed
+through gguf.GGUFWriter; then runs `python -m sharkport.tools.dump_gguf --gguf-file X --save Y
+--quiet` in a fresh process per file and reports MB/s of GGUF imported, and the process's peak
+RSS against the largest tensor. The page cache is not dropped (no root here): the first
+column of a cold run includes reading the file from disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 2048, 5632, 32, 4, 32000
+HEAD_DIM = HIDDEN // HEADS
+
+
+def shapes(layers: int) -> dict[str, tuple[int, ...]]:
+    out = {"token_embd.weight": (VOCAB, HIDDEN), "output_norm.weight": (HIDDEN,), "output.weight": (VOCAB, HIDDEN)}
+    for i in range(layers):
+        out |= {
+            f"blk.{i}.attn_norm.weight": (HIDDEN,), f"blk.{i}.ffn_norm.weight": (HIDDEN,),
+            f"blk.{i}.attn_q.weight": (HIDDEN, HIDDEN), f"blk.{i}.attn_k.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+            f"blk.{i}.attn_v.weight": (KV_HEADS * HEAD_DIM, HIDDEN), f"blk.{i}.attn_output.weight": (HIDDEN, HIDDEN),
+            f"blk.{i}.ffn_gate.weight": (FFN, HIDDEN), f"blk.{i}.ffn_up.weight": (FFN, HIDDEN),
+            f"blk.{i}.ffn_down.weight": (HIDDEN, FFN),
+        }
+    return out
+
+
+def tensor_bytes(type_name: str, shape: tuple[int, ...], rng: np.random.Generator) -> tuple[np.ndarray, object]:
+    """(data, raw ggml type or None) for GGUFWriter: random values, or random Q8_0 blocks with
+    finite scales (written directly: quantizing 1B values in numpy would dominate the run)."""
+    if len(shape) == 1 or type_name == "F32":
+        return rng.uniform(0.5, 1.5, shape).astype(np.float32), None
+    if type_name == "F16":
+        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float16), None
+    assert type_name == "Q8_0"
+    rows, n = shape
+    blocks = np.empty((rows, n // 32), dtype=[("d", "<f2"), ("qs", "i1", 32)])
+    blocks["d"] = (rng.random((rows, n // 32), dtype=np.float32) * 1e-3).astype(np.float16)
+    blocks["qs"] = rng.integers(-127, 128, (rows, n // 32, 32), dtype=np.int8)
+    return blocks.view(np.uint8).reshape(rows, -1), gguf.GGMLQuantizationType.Q8_0
+
+
+def write_model(path: Path, type_name: str, layers: int) -> None:
+    rng = np.random.default_rng(0)
+    tmp = path.with_suffix(".tmp")
+    writer = gguf.GGUFWriter(str(tmp), "llama")
+    writer.add_name(f"random-1b-{type_name.lower()}")
+    writer.add_context_length(2048)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_dimension_count(HEAD_DIM)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(VOCAB)
+    table = shapes(layers)
+    for name, shape in table.items():  # tensor infos first, then the data, one tensor at a time
+        t = "F32" if len(shape) == 1 else type_name
+        if t == "Q8_0":
+            byte_shape = (shape[0], shape[1] // 32 * 34)
+            writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), byte_shape[0] * byte_shape[1],
+                                   gguf.GGMLQuantizationType.Q8_0)
+        else:
+            dtype = np.dtype(np.float32 if t == "F32" else np.float16)
+            writer.add_tensor_info(name, shape, dtype, int(np.prod(shape)) * dtype.itemsize)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for name, shape in table.items():
+        data, _ = tensor_bytes("F32" if len(shape) == 1 else type_name, shape, rng)
+        writer.write_tensor_data(data)
+    writer.close()
+    os.replace(tmp, path)
+
+
+def measure(gguf_path: Path, irpa: Path) -> dict:
+    """One import in a fresh process: wall seconds and the child's peak RSS (MiB)."""
+    code = (
+        "import resource, runpy, sys, time\n"
+        f"sys.argv = ['dump_gguf', '--gguf-file', {str(gguf_path)!r}, '--save', {str(irpa)!r}, '--quiet']\n"
+        "t0 = time.perf_counter()\n"
+        "try:\n    runpy.run_module('sharkport.tools.dump_gguf', run_name='__main__')\n"
+        "except SystemExit as e:\n    assert not e.code, e.code\n"
+        "print(time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    seconds, rss_kib = out.split()[-2:]
+    irpa.unlink()
+    return {"seconds": float(seconds), "peak_rss_mib": int(rss_kib) / 1024}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work-dir", type=Path, default=Path("artifacts/bench_import"))
+    parser.add_argument("--layers", type=int, default=22)
+    parser.add_argument("--types", default="F16,Q8_0")
+    parser.add_argument("--repeat", type=int, default=3, help="imports per file; the median is reported")
+    args = parser.parse_args()
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+
+    rows = []
+    for type_name in args.types.split(","):
+        path = args.work_dir / f"random-1b-{args.layers}l-{type_name.lower()}.gguf"
+        if not path.exists():
+            t0 = time.perf_counter()
+            write_model(path, type_name, args.layers)
+            print(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t0:.0f} s", flush=True)
+        size = path.stat().st_size
+        runs = [measure(path, args.work_dir / "out.irpa") for _ in range(args.repeat)]
+        seconds = sorted(r["seconds"] for r in runs)[len(runs) // 2]
+        peak = max(r["peak_rss_mib"] for r in runs)
+        largest = max(int(np.prod(s)) for s in shapes(args.layers).values())
+        largest_mib = largest * (2 if type_name == "F16" else 34 / 32) / 2**20
+        rows.append({"type": type_name, "gguf_gb": size / 1e9, "seconds": seconds, "mb_s": size / 1e6 / seconds,
+                     "all_seconds": [round(r["seconds"], 2) for r in runs], "peak_rss_mib": peak,
+                     "largest_tensor_mib": largest_mib})
+        print(json.dumps(rows[-1]), flush=True)
+
+    print("\n| file | size | import (median of %d) | throughput | peak RSS | largest tensor |" % args.repeat)
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| random 1.1B llama, {r['type']} | {r['gguf_gb']:.2f} GB | {r['seconds']:.1f} s "
+              f"({', '.join(map(str, r['all_seconds']))}) | {r['mb_s']:.0f} MB/s | {r['peak_rss_mib']:.0f} MiB | "
+              f"{r['largest_tensor_mib']:.0f} MiB |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
