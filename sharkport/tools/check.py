@@ -5,7 +5,8 @@
 
 Checks that the hyperparameters are present and coherent (heads divide the embedding, kv heads
 divide heads, rotary dims fit the head), that every tensor the llama recipe needs is present
-with the shape the hyperparameters give, that quantized tensors have whole blocks and the planes
+with the shape the hyperparameters give (llama family: llama, mistral, qwen2; the hyperparameters
+alone for other architectures), that quantized tensors have whole blocks and the planes
 their block type has, and (for an .irpa) that every entry has the dtype, shape and byte size its
 layout says. With --values it also scans for NaN/inf values and quantization scales. Prints one
 line per problem and exits 1 if there are any (2 if the file cannot be read at all).
@@ -28,7 +29,7 @@ import numpy as np
 from ..errors import SharkportError, cli_main
 from ..formats import keys
 from ..formats.gguf import GgufFile, read_gguf
-from ..formats.keys import LLAMA_KEYS, LlamaHParams
+from ..formats.keys import HPARAMS, LLAMA_KEYS, LlamaHParams
 from ..formats.names import LLAMA_NAMES
 from ..quant import BLOCK_TYPES, PLAIN_TYPES, SUPPORTED_TYPES
 from ._cli import add_model_source, add_verbose
@@ -71,8 +72,14 @@ def check_hparams(hparams: dict[str, Any]) -> tuple[list[str], LlamaHParams | No
     arch = hparams.get("general.architecture")
     if not arch:
         return ["metadata has no general.architecture key; is this a model file?"], None
-    if arch != "llama":
-        return [f"architecture {arch!r} has no recipe (known: llama)"], None
+    if arch not in HPARAMS:
+        return [f"architecture {arch!r} has no recipe (known: {', '.join(sorted(HPARAMS))})"], None
+    if HPARAMS[arch] is not LlamaHParams:  # shapes are known for the llama family only
+        try:
+            HPARAMS[arch].from_metadata(hparams, vocab_size=0)
+        except SharkportError as e:
+            return [str(e)], None
+        return [], None
     problems = []
     for field, (suffix, default) in LLAMA_KEYS.items():
         key = f"{arch}.{suffix}"
@@ -140,7 +147,11 @@ def check_tensors(hparams: dict[str, Any], layouts: dict[str, dict[str, Any]],
 
     hp_problems, hp = check_hparams(hparams)
     problems += hp_problems
-    if hp is None:
+    if hp is None or hp.expert_count:
+        if not hp_problems:
+            notes.append(f"tensor names and shapes are checked for dense llama-family models only, "
+                         f"not {hparams.get('general.architecture')}"
+                         f"{' with experts' if hp is not None and hp.expert_count else ''}")
         return problems, notes
     vocab = hp.vocab_size
     if "token_embd.weight" in layouts:
