@@ -153,3 +153,184 @@ class TinyModels:
         if name not in self._models:
             self._models[name] = make_tiny_llama(VARIANTS[name], self.root / name)
         return self._models[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny models of the other recipes (Mistral, Qwen2, Gemma-3, Mixtral, GPT-2): each built with its
+# own transformers class, saved with save_pretrained, and converted to GGUF from the saved
+# safetensors the way llama.cpp's convert_hf_to_gguf.py converts that architecture.
+# ---------------------------------------------------------------------------------------------
+
+RECIPE_KINDS = ("mistral", "qwen2", "gemma3", "mixtral", "gpt2")
+WINDOW = 8  # sliding window of the tiny Mistral and Gemma-3: every test prompt is longer
+
+
+def _recipe_config(kind: str):
+    """A tiny config of `kind`: hidden 64, vocab 256, 2 layers (Gemma-3: 6, so that llama.cpp's
+    fixed pattern of 5 local layers then 1 global layer holds both kinds)."""
+    import transformers as tf
+
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if kind == "mistral":
+        return tf.MistralConfig(**common, sliding_window=WINDOW, head_dim=16, tie_word_embeddings=False)
+    if kind == "qwen2":
+        return tf.Qwen2Config(**common, tie_word_embeddings=True,
+                              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    if kind == "mixtral":
+        return tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, head_dim=16,
+                                tie_word_embeddings=False)
+    if kind == "gemma3":
+        # head_dim 256 as in the released models: not hidden / heads, and equal to
+        # query_pre_attn_scalar (a GGUF file cannot say otherwise; llama.cpp assumes it).
+        return tf.Gemma3TextConfig(**{**common, "num_hidden_layers": 6, "num_attention_heads": 2,
+                                      "num_key_value_heads": 1}, head_dim=256, query_pre_attn_scalar=256,
+                                   sliding_window=WINDOW, tie_word_embeddings=True)
+    if kind == "gpt2":
+        # n_positions 1024: transformers reads a GPT-2 GGUF context_length as n_ctx, not n_positions.
+        return tf.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=1024,
+                             bos_token_id=None, eos_token_id=None)
+    raise KeyError(kind)
+
+
+_RECIPE_CLASSES = {"mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                   "mixtral": "MixtralForCausalLM", "gpt2": "GPT2LMHeadModel"}
+
+
+def make_hf_recipe(kind: str, seed: int = 0):
+    """A seeded float32 model of `kind` with weights far from their defaults (as make_hf_llama):
+    matrices ~N(0, 0.1²), norm scales ~U(0.5, 1.5) (Gemma: its 1 + w), biases ~N(0, 0.05²), and
+    Mixtral's router ~N(0, 1) so that its top-2 choices are clear-cut."""
+    import transformers
+
+    cls = getattr(transformers, _RECIPE_CLASSES[kind])
+    torch.manual_seed(seed)
+    model = cls._from_config(_recipe_config(kind), attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or ".ln_" in name:  # norms (GPT-2: ln_1, ln_2, ln_f weight and bias)
+                if name.endswith(".bias"):
+                    p.normal_(0.0, 0.05)
+                else:
+                    p.uniform_(-0.5, 0.5) if kind == "gemma3" else p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.05)
+            elif name.endswith(".gate.weight"):
+                p.normal_(0.0, 1.0)
+            else:
+                p.normal_(0.0, 0.1)
+    return model.eval()
+
+
+def write_recipe_gguf(kind: str, hf_dir: Path, path: Path) -> None:
+    """Converts the save_pretrained folder `hf_dir` to GGUF as convert_hf_to_gguf.py does:
+    * mistral, mixtral: architecture `llama`, Q/K rows permuted (interleaved rotary pairs);
+      Mixtral's experts stacked into `ffn_{gate,up,down}_exps` [experts, ...] with
+      `expert_count` / `expert_used_count`. llama.cpp writes no sliding window for a llama; we add
+      the standard `llama.attention.sliding_window` key, without which no reader can know it.
+    * qwen2: its own architecture, Q/K/V biases, Q/K not permuted.
+    * gemma3: every `*norm.weight` stored as 1 + w, Q/K not permuted, key/value length written,
+      sliding window written (llama.cpp fixes the local/global pattern at 6 and the local rope
+      base at 10000, so neither is written).
+    * gpt2: Conv1D weights transposed to [out, in], `output.weight` a copy of the embeddings.
+    """
+    import json
+
+    from safetensors.torch import load_file
+
+    from sharkport.formats.names import hf_to_gguf
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    tensors = load_file(hf_dir / "model.safetensors")
+    arch = {"mistral": "llama", "mixtral": "llama"}.get(kind, kind)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{kind}")  # transformers reads a `llama` file named *mistral* as Mistral
+    if kind == "gpt2":
+        w.add_block_count(config["n_layer"])
+        w.add_context_length(config["n_positions"])
+        w.add_embedding_length(config["n_embd"])
+        w.add_feed_forward_length(4 * config["n_embd"])
+        w.add_head_count(config["n_head"])
+        w.add_layer_norm_eps(config["layer_norm_epsilon"])
+    else:
+        w.add_context_length(config["max_position_embeddings"])
+        w.add_embedding_length(config["hidden_size"])
+        w.add_block_count(config["num_hidden_layers"])
+        w.add_feed_forward_length(config["intermediate_size"])
+        w.add_head_count(config["num_attention_heads"])
+        w.add_head_count_kv(config["num_key_value_heads"])
+        w.add_rope_freq_base(config["rope_parameters"].get("rope_theta")
+                             or config["rope_parameters"]["full_attention"]["rope_theta"])
+        w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+        if arch == "llama":
+            w.add_vocab_size(config["vocab_size"])
+            w.add_rope_dimension_count(config["head_dim"])
+        if config.get("sliding_window"):
+            w.add_sliding_window(config["sliding_window"])
+        if kind == "mixtral":
+            w.add_expert_count(config["num_local_experts"])
+            w.add_expert_used_count(config["num_experts_per_tok"])
+        if kind == "gemma3":
+            w.add_key_length(config["head_dim"])
+            w.add_value_length(config["head_dim"])
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    # llama.cpp always writes the vocabulary; readers size the model from it when the
+    # architecture has no vocab_size key. Placeholder tokens: these models have no tokenizer.
+    vocab = config["vocab_size"]
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"<t{i}>" for i in range(vocab)])
+    w.add_token_types([gguf.TokenType.NORMAL] * vocab)
+    w.add_token_merges([])
+
+    experts: dict[str, dict[int, np.ndarray]] = {}
+    for hf_name, t in tensors.items():
+        name, expert = hf_to_gguf(hf_name, arch)
+        data = t.to(torch.float32).numpy()
+        if arch == "llama" and ".q_proj." in hf_name:
+            data = permute_qk(data, config["num_attention_heads"])
+        elif arch == "llama" and ".k_proj." in hf_name:
+            data = permute_qk(data, config["num_key_value_heads"])
+        elif kind == "gemma3" and name.endswith("norm.weight"):
+            data = data + 1
+        elif kind == "gpt2" and name.startswith("blk.") and data.ndim == 2:
+            data = data.T
+        if expert is not None:
+            experts.setdefault(name, {})[expert] = data
+            continue
+        w.add_tensor(name, np.ascontiguousarray(data))
+        if kind == "gpt2" and name == "token_embd.weight":
+            w.add_tensor("output.weight", np.ascontiguousarray(data))
+    for name, by_expert in experts.items():
+        w.add_tensor(name, np.ascontiguousarray(np.stack([by_expert[x] for x in sorted(by_expert)])))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@dataclass
+class TinyRecipe:
+    kind: str
+    hf: "torch.nn.Module"  # transformers model of the kind, float32, eager attention
+    hf_dir: Path
+    gguf_path: Path
+
+
+class TinyRecipes:
+    """Builds each kind on first use under `root/<kind>` and keeps it for the session."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self._models: dict[str, TinyRecipe] = {}
+
+    def __getitem__(self, kind: str) -> TinyRecipe:
+        if kind not in self._models:
+            hf = make_hf_recipe(kind, seed=RECIPE_KINDS.index(kind) + 10)
+            d = self.root / kind
+            hf_dir, gguf_dir = d / "hf", d / "gguf"
+            gguf_dir.mkdir(parents=True, exist_ok=True)
+            hf.save_pretrained(hf_dir)
+            write_recipe_gguf(kind, hf_dir, gguf_dir / "model.gguf")
+            self._models[kind] = TinyRecipe(kind, hf, hf_dir, gguf_dir / "model.gguf")
+        return self._models[kind]

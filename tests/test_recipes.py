@@ -1,0 +1,185 @@
+"""The Mistral, Qwen2, Gemma-3, Mixtral and GPT-2 recipes end to end on tiny random-weight
+models made with each architecture's own transformers class, against transformers.
+
+References are code we did not write: the HF model's forward pass over the whole sequence so far
+(prefill and every decode step, as in test_llama_tiny.py), and transformers' GGUF loader reading
+the fixture GGUFs (written as llama.cpp's converter writes each architecture, tiny_models.py).
+
+* registry: an unknown architecture is one error listing the known ones.
+* fixtures: the fixture GGUFs load in transformers and reproduce the HF logits.
+* hparams: an HF import and a GGUF import of the same model give the same hyperparameters.
+* eager: both imports (HF safetensors, GGUF) match transformers on prefill and 8 decode steps at
+  batch 1 and 4; prompts are longer than the sliding window (8) of Mistral and Gemma-3, and
+  the tiny Mixtral routes each token to 2 of 4 experts. The two imports agree with each other.
+* compiled (slow): one module per architecture (prefill/decode at batch 1 and 4, GGUF import),
+  the same checks through IREE.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from sharkport.archive import Dataset, Theta
+from sharkport.errors import SharkportError
+from sharkport.formats.keys import HPARAMS
+from sharkport.models import RECIPES, build_model
+from sharkport.runtime.session import IreeSession
+from test_llama_tiny import BATCHES, PAGES, check_prefill_decode, eager_session, hf_logits, params, prompts_for
+from tiny_models import RECIPE_KINDS, TINY_EXPORT, WINDOW, TinyRecipes
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+SOURCES = ("hf", "gguf")
+
+
+@pytest.fixture(scope="session")
+def recipes(tmp_path_factory) -> TinyRecipes:
+    return TinyRecipes(tmp_path_factory.mktemp("tiny_recipes"))
+
+
+@pytest.fixture(scope="session")
+def recipe_irpa(recipes):
+    """(kind, source) → .irpa imported from the tiny model's HF folder or GGUF, once per session."""
+    from sharkport.archive import import_gguf, import_hf
+
+    made: dict[tuple[str, str], Path] = {}
+
+    def get(kind: str, source: str) -> Path:
+        if (kind, source) not in made:
+            m = recipes[kind]
+            path = m.hf_dir.parent / f"{source}.irpa"
+            if source == "hf":
+                import_hf(m.hf_dir, path, progress=False)
+            else:
+                import_gguf(m.gguf_path, path, progress=False)
+            made[kind, source] = path
+        return made[kind, source]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def recipe_compiled(recipe_irpa):
+    """kind → (vmfb, irpa, service config): the GGUF import exported with TINY_EXPORT (batch 1
+    and 4 in one module) and compiled for the host CPU, once per session."""
+    from sharkport.compile import compile_mlir
+    from sharkport.export import export_model, save_export
+
+    made: dict[str, tuple[Path, Path, Path]] = {}
+
+    def get(kind: str):
+        if kind not in made:
+            irpa = recipe_irpa(kind, "gguf")
+            out = irpa.parent / "compiled"
+            output, service = export_model(Dataset.load(irpa), TINY_EXPORT)
+            save_export(output, service, out / "model.mlir", out / "model.json")
+            compile_mlir(out / "model.mlir", out / "model.vmfb")
+            made[kind] = (out / "model.vmfb", irpa, out / "model.json")
+        return made[kind]
+
+    return get
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry
+# ---------------------------------------------------------------------------------------------
+
+def test_unknown_architecture_lists_known_ones():
+    dataset = Dataset(Path("model.gguf"), {"hparams": {"general.architecture": "mamba"}}, Theta({}))
+    with pytest.raises(SharkportError, match=r"model\.gguf: architecture 'mamba'") as e:
+        build_model(dataset)
+    for arch in RECIPES:
+        assert arch in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fixtures, checked by transformers' GGUF loader
+# ---------------------------------------------------------------------------------------------
+
+# Mixtral is left out: transformers reads a `llama` GGUF with experts as a dense llama (it finds
+# no ffn_gate/ffn_up/ffn_down and leaves them random). Mistral is read as a llama without a
+# window (transformers maps no sliding-window key for `llama`), so only prompts within the
+# window can agree.
+LOADER_PROMPTS = {"mistral": (1, 5, WINDOW), "qwen2": (1, 7, 40), "gemma3": (1, 7, 40), "gpt2": (1, 7, 40)}
+
+
+@pytest.mark.parametrize("kind", params(LOADER_PROMPTS))
+def test_fixture_gguf_loads_in_transformers(recipes, kind):
+    from transformers import AutoModelForCausalLM
+
+    m = recipes[kind]
+    loaded = AutoModelForCausalLM.from_pretrained(m.gguf_path.parent, gguf_file=m.gguf_path.name,
+                                                  dtype=torch.float32).eval()
+    for p in prompts_for(LOADER_PROMPTS[kind], 256, seed=5):
+        np.testing.assert_allclose(hf_logits(loaded, p), hf_logits(m.hf, p), rtol=0, atol=1e-4,
+                                   err_msg=f"prompt of {len(p)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Hyperparameters: HF config.json and GGUF keys say the same
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", params(RECIPE_KINDS))
+def test_hparams_same_from_hf_and_gguf(recipe_irpa, kind):
+    hf_ds, gguf_ds = Dataset.load(recipe_irpa(kind, "hf")), Dataset.load(recipe_irpa(kind, "gguf"))
+    assert hf_ds.architecture == gguf_ds.architecture
+    hp_class = HPARAMS[hf_ds.architecture]
+    hf_hp, gguf_hp = (hp_class.from_metadata(d.hparams) for d in (hf_ds, gguf_ds))
+    if kind == "gemma3":  # HF lists each layer's kind; llama.cpp's files imply every 6th is global
+        assert [hf_hp.is_sliding(i) for i in range(6)] == [gguf_hp.is_sliding(i) for i in range(6)]
+        assert hf_hp.is_sliding(0) and not hf_hp.is_sliding(5)
+        hf_hp, gguf_hp = (dataclasses.replace(h, sliding_window_pattern=0) for h in (hf_hp, gguf_hp))
+    assert dataclasses.asdict(hf_hp) == pytest.approx(dataclasses.asdict(gguf_hp), rel=1e-6)
+    assert hf_ds.metadata["tensors"].keys() == gguf_ds.metadata["tensors"].keys() - {"output.weight"} \
+        if kind == "gpt2" else hf_ds.metadata["tensors"].keys() == gguf_ds.metadata["tensors"].keys()
+    expected = {"mistral": ("sliding_window", WINDOW), "mixtral": ("expert_count", 4), "gemma3": ("head_dim", 256)}
+    if kind in expected:
+        field, value = expected[kind]
+        assert getattr(gguf_hp, field) == value
+
+
+# ---------------------------------------------------------------------------------------------
+# Eager recipe
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("batch", params(BATCHES))
+@pytest.mark.parametrize("source", params(SOURCES))
+@pytest.mark.parametrize("kind", params(RECIPE_KINDS))
+def test_eager_matches_transformers(recipes, recipe_irpa, kind, source, batch):
+    check_prefill_decode(eager_session(recipe_irpa(kind, source)), recipes[kind].hf, BATCHES[batch])
+
+
+@pytest.mark.parametrize("kind", params(RECIPE_KINDS))
+def test_eager_hf_import_equals_gguf_import(recipe_irpa, kind):
+    """Both imports hold the same model: the same prefill and decode logits, closer than either
+    is to transformers (which sums in another order)."""
+    sessions = [eager_session(recipe_irpa(kind, s)) for s in SOURCES]
+    lengths = (5, 33, 17, 1)
+    pages = np.array([(3, 9, 0), (7, 1, 4), (2, 8, 6), (5, 11, 10)], np.int64)
+    tokens = np.zeros((4, 48), np.int64)
+    for r, p in enumerate(prompts_for(lengths, 256, seed=7)):
+        tokens[r, :len(p)] = p
+    seq_lens = np.array(lengths, np.int64)
+    prefill = [s.prefill(tokens, seq_lens, pages) for s in sessions]
+    np.testing.assert_allclose(prefill[0], prefill[1], rtol=0, atol=1e-5)
+    new = np.array([[11], [200], [0], [255]], np.int64)
+    decode = [s.decode(new, seq_lens + 1, seq_lens, pages) for s in sessions]
+    np.testing.assert_allclose(decode[0], decode[1], rtol=0, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiled module (one per architecture)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", params(BATCHES))
+@pytest.mark.parametrize("kind", params(RECIPE_KINDS))
+def test_compiled_matches_transformers(recipes, recipe_compiled, kind, batch):
+    vmfb, irpa, config = recipe_compiled(kind)
+    check_prefill_decode(IreeSession(vmfb, irpa, config, pages=PAGES), recipes[kind].hf, BATCHES[batch])
