@@ -184,7 +184,6 @@ ERROR_KINDS = [
     ("tensor data past the end of the file", r"past the end of the"),
     ("tensors overlap", r"overlap"),
     ("tensor type sharkport cannot import", r"cannot import yet"),
-    ("rejected by gguf.GGUFReader", r"not a readable GGUF file"),
 ]
 
 

@@ -6,6 +6,7 @@ import time
 import tracemalloc
 
 import gguf
+import numpy as np
 import pytest
 
 from sharkport.archive import Dataset, import_gguf
@@ -132,6 +133,23 @@ def test_the_seed_is_valid_and_read_as_gguf_reads_it(seed):
     for t in theirs:
         assert (ours[t.name].offset, ours[t.name].n_bytes) == (int(t.data_offset), int(t.n_bytes))
     assert struct.unpack_from("<I", seed.read_bytes(), 4)[0] == 3
+
+
+def test_real_file_reads_as_gguf_reader_reads_it(smollm2_gguf):
+    """Our single-pass header walk decodes every metadata value (49,152-token vocabulary,
+    merges, scores, scalars of each type) and places every tensor as gguf.GGUFReader does."""
+    ours = read_gguf(smollm2_gguf)
+    reader = gguf.GGUFReader(smollm2_gguf)
+    theirs = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert list(ours.metadata) == list(theirs)
+    for key, value in theirs.items():
+        assert ours.metadata[key] == value and type(ours.metadata[key]) is type(value), key
+    assert len(ours.tensors) == len(reader.tensors) == 272
+    for mine, t in zip(ours.tensors, reader.tensors):
+        assert (mine.name, mine.type_name, mine.offset, mine.n_bytes) == \
+            (t.name, t.tensor_type.name, int(t.data_offset), int(t.n_bytes))
+        assert mine.shape == tuple(reversed(t.shape.tolist()))
+        assert np.array_equal(mine.data, t.data.reshape(-1).view(np.uint8))
 
 
 def test_big_endian_file_reads_like_little_endian(tmp_path):

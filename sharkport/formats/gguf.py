@@ -1,10 +1,12 @@
-"""GGUF on disk → plain records over memory-mapped views (a thin, checked layer over gguf.GGUFReader).
+"""GGUF on disk → plain records over memory-mapped views, read with bounds checks.
 
-Model files come from strangers, so the file's layout is checked before gguf.GGUFReader sees it:
-`_check_layout` walks the header with bounds checks (every count and length is weighed against
-the bytes left, so a hostile length can neither allocate nor loop for long) and checks every
-tensor's type, row size, alignment and data range. Only then does GGUFReader parse the file,
-and anything it still rejects becomes a SharkportError too.
+Model files come from strangers, so the header is walked field by field (`_HeaderWalker`):
+every count and length is weighed against the bytes left, so a hostile length can neither
+allocate nor loop for long, and every tensor's type, row size, alignment and data range is
+checked before its data is touched. The same walk decodes the metadata, so the file is parsed
+once. (gguf.GGUFReader, which we used before, hangs on some hostile lengths and builds a numpy
+view per vocabulary string: 5.7 s for SmolLM2's 49,152 tokens. The gguf package still supplies
+the format's constants, and tests check this reader against GGUFReader.)
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from gguf.gguf_reader import READER_SUPPORTED_VERSIONS
 
 from ..errors import SharkportError
 
-# Byte size of each scalar metadata type, from the reader's own table.
-_SCALAR_SIZES = {t: np.dtype(np_t).itemsize for t, np_t in gguf.GGUFReader.gguf_scalar_to_np.items()}
+# numpy dtype and byte size of each scalar metadata type, from the gguf reader's own table.
+_SCALAR_DTYPES = {t: np.dtype(np_t) for t, np_t in gguf.GGUFReader.gguf_scalar_to_np.items()}
+_SCALAR_SIZES = {t: dt.itemsize for t, dt in _SCALAR_DTYPES.items()}
 _MAX_DIMS = 4  # GGML_MAX_DIMS
 _HEADER_BYTES = 24  # magic, version, tensor count, kv count
 _MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, smallest value
@@ -80,37 +83,14 @@ def read_gguf(path: str | os.PathLike) -> GgufFile:
     path = Path(path)
     if not path.is_file():
         raise SharkportError(f"{path}: no such file; pass the path of a .gguf model file")
-    _check_layout(path)
-    try:
-        reader = gguf.GGUFReader(path, "r")
-        metadata = {}
-        for key, field in reader.fields.items():
-            if key.startswith("GGUF."):
-                continue
-            value = field.contents()
-            metadata[key] = value.tolist() if isinstance(value, np.ndarray) else value
-    except Exception as e:  # whatever the layout check did not foresee: ValueError, KeyError, ...
-        raise SharkportError(
-            f"{path}: not a readable GGUF file ({type(e).__name__}: {e}); {_REDOWNLOAD}"
-        ) from None
-
-    file_size = path.stat().st_size
-    tensors = []
-    for t in reader.tensors:
-        end = int(t.data_offset) + int(t.n_bytes)
-        if end > file_size or t.data.nbytes != t.n_bytes:  # _check_layout makes this unreachable
-            raise SharkportError(f"{path}: tensor {t.name} ends at offset {end} but the file has "
-                                 f"{file_size} bytes; {_REDOWNLOAD}")
-        tensors.append(
-            GgufTensor(
-                name=t.name,
-                type_name=t.tensor_type.name,
-                shape=tuple(int(d) for d in reversed(t.shape.tolist())),
-                data=t.data,
-                offset=int(t.data_offset),
-                n_bytes=int(t.n_bytes),
-            )
-        )
+    metadata, infos, data_start, alignment = _read_header(path)
+    spans = _check_tensor_data(path, path.stat().st_size, infos, data_start, alignment)
+    data = np.memmap(path, mode="r")  # one map; each tensor is a view of it
+    tensors = [
+        GgufTensor(name=t.name, type_name=t.type.name, shape=tuple(reversed(t.ne)),
+                   data=data[start:start + n_bytes], offset=start, n_bytes=n_bytes)
+        for t, (start, n_bytes) in zip(infos, spans)
+    ]
     return GgufFile(path=path, metadata=metadata, tensors=tensors)
 
 
@@ -123,8 +103,8 @@ class _TensorInfo:
     rel_offset: int  # data offset relative to the data section
 
 
-def _check_layout(path: Path) -> None:
-    """Walks the header with bounds checks, then checks the tensors' data ranges."""
+def _read_header(path: Path) -> tuple[dict[str, Any], list["_TensorInfo"], int, int]:
+    """Walks the header with bounds checks: (metadata, tensor infos, data start, alignment)."""
     size = path.stat().st_size
     if size < _HEADER_BYTES:
         with open(path, "rb") as f:
@@ -136,7 +116,7 @@ def _check_layout(path: Path) -> None:
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         walker = _HeaderWalker(path, buf)
         infos, data_start = walker.walk()
-    _check_tensor_data(path, size, infos, data_start, walker.alignment)
+    return walker.metadata, infos, data_start, walker.alignment
 
 
 class _HeaderWalker:
@@ -147,6 +127,7 @@ class _HeaderWalker:
         self.path, self.buf, self.size, self.pos = path, buf, len(buf), 0
         self.order = "<"
         self.alignment = gguf.GGUF_DEFAULT_ALIGNMENT
+        self.metadata: dict[str, Any] = {}
 
     def fail(self, at: int, what: str, fix: str = _REDOWNLOAD) -> SharkportError:
         return SharkportError(f"{self.path}: at offset {at}: {what}; {fix}")
@@ -190,23 +171,47 @@ class _HeaderWalker:
             raise self.fail(at, f"{what} is {raw}, not a GGUF value type") from None
 
     def value(self, key: str, vtype: gguf.GGUFValueType) -> Any:
-        """Skips over one value; returns it only when it is a scalar (general.alignment)."""
+        """One metadata value as Python data: str, int, float, bool, or a list of them."""
         if vtype == gguf.GGUFValueType.STRING:
             return self.string(f"the string value of {key}")
         if vtype in _SCALAR_SIZES:
             start = self.take(_SCALAR_SIZES[vtype], f"the value of {key}")
-            return self.buf[start:start + _SCALAR_SIZES[vtype]]
+            return self.scalars(vtype, start, 1)[0]
         at = self.pos
         item = self.value_type(f"the item type of array {key}")
         if item == gguf.GGUFValueType.ARRAY:
             raise self.fail(at, f"{key} is an array of arrays, which GGUF readers do not support")
         if item == gguf.GGUFValueType.STRING:
-            for i in range(self.count(f"item count of array {key}", 8)):
-                self.string(f"item {i} of {key}")
-        else:
-            n = self.count(f"item count of array {key}", _SCALAR_SIZES[item])
-            self.take(n * _SCALAR_SIZES[item], f"the items of {key}")
-        return None
+            return self.strings(key, self.count(f"item count of array {key}", 8))
+        n = self.count(f"item count of array {key}", _SCALAR_SIZES[item])
+        return self.scalars(item, self.take(n * _SCALAR_SIZES[item], f"the items of {key}"), n)
+
+    def scalars(self, vtype: gguf.GGUFValueType, start: int, n: int) -> list:
+        dtype = _SCALAR_DTYPES[vtype].newbyteorder(self.order)
+        values = np.frombuffer(self.buf, dtype=dtype, count=n, offset=start)
+        try:
+            return values.tolist()
+        finally:
+            del values  # release the mmap export, so the map can close
+
+    def strings(self, key: str, n: int) -> list[str]:
+        """n length-prefixed strings (a vocabulary: one tight loop, not one call per string)."""
+        buf, end, pos, fmt = self.buf, self.size, self.pos, self.order + "Q"
+        out = []
+        for i in range(n):
+            if end - pos < 8:
+                raise self.fail(pos, f"the length of item {i} of {key} needs 8 bytes but the file ends at {end}")
+            (length,) = struct.unpack_from(fmt, buf, pos)
+            if length > end - pos - 8:
+                raise self.fail(pos, f"item {i} of {key} is {length} bytes long, more than the "
+                                     f"{end - pos - 8} bytes left before the end of the file at {end}")
+            try:
+                out.append(buf[pos + 8:pos + 8 + length].decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise self.fail(pos, f"item {i} of {key} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+            pos += 8 + length
+        self.pos = pos
+        return out
 
     def walk(self) -> tuple[list[_TensorInfo], int]:
         if self.buf[:4] != b"GGUF":
@@ -236,7 +241,7 @@ class _HeaderWalker:
                 raise self.fail(at, f"metadata key {key} appears twice")
             keys.add(key)
             vtype = self.value_type(f"the value type of {key}")
-            value = self.value(key, vtype)
+            value = self.metadata[key] = self.value(key, vtype)
             if key == "general.alignment":
                 self._set_alignment(at, vtype, value)
         infos = [self._tensor_info(i) for i in range(tensor_count)]
@@ -248,10 +253,9 @@ class _HeaderWalker:
         data_start = -(-self.pos // self.alignment) * self.alignment
         return infos, data_start
 
-    def _set_alignment(self, at: int, vtype: gguf.GGUFValueType, raw: bytes) -> None:
+    def _set_alignment(self, at: int, vtype: gguf.GGUFValueType, alignment: Any) -> None:
         if vtype != gguf.GGUFValueType.UINT32:
             raise self.fail(at, f"general.alignment has type {vtype.name}, not UINT32")
-        alignment = struct.unpack(self.order + "I", raw)[0]
         if alignment == 0 or alignment & (alignment - 1):
             raise self.fail(at, f"general.alignment is {alignment}, not a power of two")
         self.alignment = alignment
@@ -276,10 +280,10 @@ class _HeaderWalker:
 
 
 def _check_tensor_data(path: Path, size: int, infos: list[_TensorInfo], data_start: int,
-                       alignment: int) -> None:
+                       alignment: int) -> list[tuple[int, int]]:
     """Every tensor's rows fill whole blocks of its type, and its bytes lie inside the file,
-    aligned, overlapping no other tensor."""
-    spans = []
+    aligned, overlapping no other tensor. Returns each tensor's (file offset, byte count)."""
+    spans, placed = [], []
     for t in infos:
         where = f"{path}: tensor {t.name} (header entry at offset {t.info_offset})"
         block, type_size = gguf.GGML_QUANT_SIZES[t.type]
@@ -302,6 +306,7 @@ def _check_tensor_data(path: Path, size: int, infos: list[_TensorInfo], data_sta
             raise SharkportError(
                 f"{where}: its {n_bytes} bytes at offset {start} end at {end}, past the end of the "
                 f"{size}-byte file; {_REDOWNLOAD}")
+        placed.append((start, n_bytes))
         if n_bytes:
             spans.append((start, end, t.name))
     spans.sort()
@@ -310,6 +315,7 @@ def _check_tensor_data(path: Path, size: int, infos: list[_TensorInfo], data_sta
             raise SharkportError(
                 f"{path}: tensors {n0} (offset {s0}..{e0}) and {n1} (offset {s1}..{e1}) overlap; "
                 "the file is corrupt; re-download or re-convert it")
+    return placed
 
 
 def _gguf_version() -> str:
