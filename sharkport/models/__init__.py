@@ -30,4 +30,9 @@ def build_model(dataset: Dataset, config: ModelConfig | None = None) -> CausalLM
             f"{dataset.path}: architecture {arch!r} (general.architecture) has no recipe; "
             f"known architectures: {', '.join(sorted(RECIPES))}"
         )
-    return RECIPES[arch](dataset, config or ModelConfig())
+    try:
+        return RECIPES[arch](dataset, config or ModelConfig())
+    except SharkportError as e:  # hyperparameter errors do not know the file: name it
+        if str(dataset.path) in str(e):
+            raise
+        raise SharkportError(f"{dataset.path}: {e}") from None

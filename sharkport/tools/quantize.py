@@ -53,7 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.output_gguf:  # what the GGUF writer needs, checked before anything is written
         from ..formats.keys import LlamaHParams
 
-        LlamaHParams.from_metadata(dataset.hparams)
+        try:
+            LlamaHParams.from_metadata(dataset.hparams)
+        except SharkportError as e:
+            raise SharkportError(f"{source}: cannot be written as GGUF: {e}") from None
     plan = plan_types(dataset.metadata["tensors"], default, rules)
     quantized = requantized(dataset, plan)
     progress = sys.stderr.isatty()
