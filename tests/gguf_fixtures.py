@@ -40,6 +40,18 @@ def random_blocks(type_name: str, shape: tuple[int, ...], rng: np.random.Generat
     return raw.reshape(*outer, -1) if outer else raw.reshape(-1)
 
 
+def random_tensor(type_name: str, shape: tuple[int, ...], rng: np.random.Generator,
+                  std: float = 1.0) -> np.ndarray:
+    """Data of any type as GGUFWriter takes it: random values for F32/F16, BF16 bits, or raw
+    blocks (their dequantized values spread about `std`)."""
+    if type_name in ("F32", "F16", "BF16"):
+        values = (rng.standard_normal(shape) * std).astype(np.float32)
+        if type_name == "BF16":
+            return quants.quantize(values, gguf.GGMLQuantizationType.BF16)
+        return values.astype(np.float16) if type_name == "F16" else values
+    return random_blocks(type_name, shape, rng, std=None if std == 1.0 else std)
+
+
 def write_gguf(path: Path, tensors: dict[str, tuple[str, tuple[int, ...], np.ndarray]],
                metadata: dict | None = None, arch: str = "llama") -> Path:
     """tensors: name → (ggml type, numpy shape, values or raw bytes)."""

@@ -10,9 +10,8 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from gguf import quants
 
-from gguf_fixtures import random_blocks
+from gguf_fixtures import random_tensor
 
 # A one-layer llama small enough that a mutation often lands in the header: hidden 32, 2 heads
 # of 16, 1 kv head, feed-forward 64, vocabulary 32, every supported tensor type once.
@@ -30,17 +29,6 @@ SEED_TENSORS = {  # name → (ggml type, numpy shape)
     "blk.0.ffn_up.weight": ("BF16", (FF, HIDDEN)),
     "blk.0.ffn_down.weight": ("Q8_0", (HIDDEN, FF)),
 }
-
-
-def _values(type_name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
-    values = (rng.standard_normal(shape) * 0.1).astype(np.float32)
-    if type_name == "F32":
-        return values
-    if type_name == "F16":
-        return values.astype(np.float16)
-    if type_name == "BF16":
-        return quants.quantize(values, gguf.GGMLQuantizationType.BF16)
-    return random_blocks(type_name, shape, rng)
 
 
 def write_seed(path: Path, seed: int = 0, drop_keys: tuple[str, ...] = (),
@@ -77,7 +65,7 @@ def write_seed(path: Path, seed: int = 0, drop_keys: tuple[str, ...] = (),
     writer.add_key_value("sharkport.test.bytes", list(range(8)), gguf.GGUFValueType.ARRAY,
                          sub_type=gguf.GGUFValueType.UINT8)
     for name, (type_name, shape) in (tensors or SEED_TENSORS).items():
-        data = _values(type_name, shape, rng)
+        data = random_tensor(type_name, shape, rng, std=0.1)
         if type_name in ("F32", "F16"):
             writer.add_tensor(name, data)
         else:

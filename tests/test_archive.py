@@ -14,27 +14,16 @@ from sharkport.archive import Dataset, QuantizedTensor, import_gguf
 from sharkport.archive.irpa import METADATA_KEY
 from sharkport.errors import SharkportError
 
-from gguf_fixtures import random_blocks, write_gguf
+from gguf_fixtures import random_blocks, random_tensor, write_gguf
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 SHAPE = (16, 256)
 
 
-def _data(type_name, rng):
-    values = rng.standard_normal(SHAPE).astype(np.float32)
-    if type_name == "F32":
-        return values
-    if type_name == "F16":
-        return values.astype(np.float16)
-    if type_name == "BF16":
-        return quants.quantize(values, gguf.GGMLQuantizationType.BF16)
-    return random_blocks(type_name, SHAPE, rng)
-
-
 @pytest.fixture(scope="module")
 def mixed_gguf(tmp_path_factory):
     rng = np.random.default_rng(0)
-    tensors = {f"t.{t.lower()}": (t, SHAPE, _data(t, rng)) for t in TYPES}
+    tensors = {f"t.{t.lower()}": (t, SHAPE, random_tensor(t, SHAPE, rng)) for t in TYPES}
     path = tmp_path_factory.mktemp("mixed") / "mixed.gguf"
     meta = {"llama.block_count": 1, "tokenizer.ggml.model": "gpt2"}
     return write_gguf(path, tensors, meta)

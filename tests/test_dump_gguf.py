@@ -17,7 +17,7 @@ from gguf import quants
 from sharkport.archive import Dataset, QuantizedTensor
 from sharkport.quant import BLOCK_TYPES
 
-from gguf_fixtures import random_blocks, write_gguf
+from gguf_fixtures import random_tensor, write_gguf
 
 TYPES = ["F32", "F16", "BF16", *sorted(BLOCK_TYPES)]
 SHAPE = (6, 512)
@@ -30,19 +30,10 @@ def dump_gguf(*args: str, rc: int = 0) -> subprocess.CompletedProcess:
     return proc
 
 
-def _data(type_name: str, rng) -> np.ndarray:
-    values = rng.standard_normal(SHAPE).astype(np.float32)
-    if type_name in ("F32", "F16"):
-        return values.astype(np.float16) if type_name == "F16" else values
-    if type_name == "BF16":
-        return quants.quantize(values, gguf.GGMLQuantizationType.BF16)
-    return random_blocks(type_name, SHAPE, rng)
-
-
 @pytest.fixture(scope="module")
 def every_type_gguf(tmp_path_factory):
     rng = np.random.default_rng(5)
-    tensors = {f"t.{t.lower()}": (t, SHAPE, _data(t, rng)) for t in TYPES}
+    tensors = {f"t.{t.lower()}": (t, SHAPE, random_tensor(t, SHAPE, rng)) for t in TYPES}
     return write_gguf(tmp_path_factory.mktemp("types") / "types.gguf", tensors, {"llama.block_count": 0})
 
 

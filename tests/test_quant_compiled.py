@@ -19,7 +19,7 @@ from sharkport.models import ModelConfig, build_model
 from sharkport.quant import BLOCK_TYPES
 from sharkport.runtime.session import EagerSession, IreeSession
 
-from gguf_fixtures import random_blocks, write_gguf
+from gguf_fixtures import random_blocks, random_tensor, write_gguf
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -115,14 +115,6 @@ def _matrices() -> dict[str, tuple[int, int]]:
     return shapes
 
 
-def _tensor(type_name: str, shape, rng) -> np.ndarray:
-    if type_name in PLAIN:
-        values = (rng.standard_normal(shape) * 0.05).astype(np.float32)
-        return quants.quantize(values, gguf.GGMLQuantizationType[type_name]) if type_name == "BF16" \
-            else values.astype(np.float16 if type_name == "F16" else np.float32)
-    return random_blocks(type_name, shape, rng, std=0.05)
-
-
 @pytest.fixture(scope="module")
 def mixed_llama(tmp_path_factory):
     """The tiny llama's GGUF: its 16 matrices cycle through all 13 types (norms stay F32)."""
@@ -132,7 +124,7 @@ def mixed_llama(tmp_path_factory):
     tensors = {}
     for k, (name, shape) in enumerate(_matrices().items()):
         t = types[k % len(types)]
-        tensors[name] = (t, shape, _tensor(t, shape, rng))
+        tensors[name] = (t, shape, random_tensor(t, shape, rng, std=0.05))
     for i in range(LAYERS):
         for norm in ("attn_norm", "ffn_norm"):
             tensors[f"blk.{i}.{norm}.weight"] = ("F32", (HIDDEN,), rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32))
