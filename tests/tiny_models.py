@@ -161,13 +161,14 @@ class TinyModels:
 # safetensors the way llama.cpp's convert_hf_to_gguf.py converts that architecture.
 # ---------------------------------------------------------------------------------------------
 
-RECIPE_KINDS = ("mistral", "qwen2", "gemma3", "mixtral", "gpt2")
+RECIPE_KINDS = ("mistral", "qwen2", "gemma3", "gemma3-2l", "mixtral", "gpt2")
 WINDOW = 8  # sliding window of the tiny Mistral and Gemma-3: every test prompt is longer
 
 
 def _recipe_config(kind: str):
-    """A tiny config of `kind`: hidden 64, vocab 256, 2 layers (Gemma-3: 6, so that llama.cpp's
-    fixed pattern of 5 local layers then 1 global layer holds both kinds)."""
+    """A tiny config of `kind`: hidden 64, vocab 256, 2 layers. `gemma3` has 6, so that llama.cpp's
+    fixed pattern (5 local layers, then 1 global) holds both kinds; `gemma3-2l` is the same with
+    2 layers (local, global), a third of the compile time, its pattern stated in the GGUF."""
     import transformers as tf
 
     common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -181,6 +182,10 @@ def _recipe_config(kind: str):
     if kind == "mixtral":
         return tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, head_dim=16,
                                 tie_word_embeddings=False)
+    if kind == "gemma3-2l":
+        return _recipe_config("gemma3").__class__(**{
+            **_recipe_config("gemma3").to_dict(), "num_hidden_layers": 2,
+            "layer_types": ["sliding_attention", "full_attention"]})
     if kind == "gemma3":
         # head_dim 256 as in the released models: not hidden / heads, and equal to
         # query_pre_attn_scalar (a GGUF file cannot say otherwise; llama.cpp assumes it).
@@ -195,6 +200,7 @@ def _recipe_config(kind: str):
 
 
 _RECIPE_CLASSES = {"mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                   "gemma3-2l": "Gemma3ForCausalLM",
                    "mixtral": "MixtralForCausalLM", "gpt2": "GPT2LMHeadModel"}
 
 
@@ -213,7 +219,7 @@ def make_hf_recipe(kind: str, seed: int = 0):
                 if name.endswith(".bias"):
                     p.normal_(0.0, 0.05)
                 else:
-                    p.uniform_(-0.5, 0.5) if kind == "gemma3" else p.uniform_(0.5, 1.5)
+                    p.uniform_(-0.5, 0.5) if kind.startswith("gemma3") else p.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 p.normal_(0.0, 0.05)
             elif name.endswith(".gate.weight"):
@@ -232,7 +238,8 @@ def write_recipe_gguf(kind: str, hf_dir: Path, path: Path) -> None:
     * qwen2: its own architecture, Q/K/V biases, Q/K not permuted.
     * gemma3: every `*norm.weight` stored as 1 + w, Q/K not permuted, key/value length written,
       sliding window written (llama.cpp fixes the local/global pattern at 6 and the local rope
-      base at 10000, so neither is written).
+      base at 10000, so neither is written; `gemma3-2l` states its 2-layer pattern with the
+      standard `gemma3.attention.sliding_window_pattern` key, which llama.cpp does not write).
     * gpt2: Conv1D weights transposed to [out, in], `output.weight` a copy of the embeddings.
     """
     import json
@@ -243,7 +250,7 @@ def write_recipe_gguf(kind: str, hf_dir: Path, path: Path) -> None:
 
     config = json.loads((hf_dir / "config.json").read_text())
     tensors = load_file(hf_dir / "model.safetensors")
-    arch = {"mistral": "llama", "mixtral": "llama"}.get(kind, kind)
+    arch = {"mistral": "llama", "mixtral": "llama", "gemma3-2l": "gemma3"}.get(kind, kind)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny-{kind}")  # transformers reads a `llama` file named *mistral* as Mistral
     if kind == "gpt2":
@@ -271,9 +278,11 @@ def write_recipe_gguf(kind: str, hf_dir: Path, path: Path) -> None:
         if kind == "mixtral":
             w.add_expert_count(config["num_local_experts"])
             w.add_expert_used_count(config["num_experts_per_tok"])
-        if kind == "gemma3":
+        if arch == "gemma3":
             w.add_key_length(config["head_dim"])
             w.add_value_length(config["head_dim"])
+        if kind == "gemma3-2l":
+            w.add_sliding_window_pattern([t == "sliding_attention" for t in config["layer_types"]])
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     # llama.cpp always writes the vocabulary; readers size the model from it when the
     # architecture has no vocab_size key. Placeholder tokens: these models have no tokenizer.
@@ -291,7 +300,7 @@ def write_recipe_gguf(kind: str, hf_dir: Path, path: Path) -> None:
             data = permute_qk(data, config["num_attention_heads"])
         elif arch == "llama" and ".k_proj." in hf_name:
             data = permute_qk(data, config["num_key_value_heads"])
-        elif kind == "gemma3" and name.endswith("norm.weight"):
+        elif arch == "gemma3" and name.endswith("norm.weight"):
             data = data + 1
         elif kind == "gpt2" and name.startswith("blk.") and data.ndim == 2:
             data = data.T
