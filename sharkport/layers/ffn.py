@@ -41,10 +41,12 @@ class MixtureOfExperts(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = self.theta
-        router = torch.softmax(linear(x, t["ffn_gate_inp.weight"]).to(torch.float32), dim=-1)  # [..., X]
-        top, index = torch.topk(router, self.used, dim=-1)
-        top = top / top.sum(dim=-1, keepdim=True)
-        weights = torch.zeros_like(router).scatter(-1, index, top).to(x.dtype)  # [..., X], 0 if unrouted
+        probs = torch.softmax(linear(x, t["ffn_gate_inp.weight"]).to(torch.float32), dim=-1)  # [..., X]
+        # The `used` best experts, found by rank (how many experts score higher) rather than by
+        # topk + scatter, which iree-compile 3.9 crashes on.
+        rank = (probs.unsqueeze(-2) > probs.unsqueeze(-1)).sum(-1)  # [..., X]
+        chosen = torch.where(rank < self.used, probs, torch.zeros_like(probs))
+        weights = (chosen / chosen.sum(dim=-1, keepdim=True)).to(x.dtype)  # [..., X], 0 if unrouted
         out = torch.zeros_like(x)
         for i in range(self.experts):
             gate = linear(x, expert(t["ffn_gate_exps.weight"], i))
