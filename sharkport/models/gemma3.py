@@ -34,6 +34,11 @@ class Gemma3(CausalLM):
         super().__init__()
         hp = Gemma3HParams.from_metadata(dataset.hparams)
         self.hp, self.config, self.theta = hp, config, dataset.theta
+        scaling = dataset.hparams.get(f"{hp.arch}.rope.scaling.type", "none")
+        if scaling != "none" and float(dataset.hparams.get(f"{hp.arch}.rope.scaling.factor", 1.0)) != 1.0:
+            # Gemma-3 4B and larger scale the global layers' positions; not implemented yet.
+            raise SharkportError(f"{dataset.path}: gemma3 rope scaling ({scaling}) is not supported yet; "
+                                 "only unscaled models (such as Gemma-3-270M and 1B) run")
         missing = [n for n in ["token_embd.weight", "output_norm.weight"] + [
             f"blk.{i}.{n}.weight" for i in range(hp.block_count) for n in _BLOCK_TENSORS] if n not in self.theta]
         if missing:
