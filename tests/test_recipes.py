@@ -189,3 +189,55 @@ COMPILED_KINDS = ("mistral", "qwen2", "gemma3-2l", "mixtral", "gpt2")
 def test_compiled_matches_transformers(recipes, recipe_compiled, kind, batch):
     vmfb, irpa, config = recipe_compiled(kind)
     check_prefill_decode(IreeSession(vmfb, irpa, config, pages=PAGES), recipes[kind].hf, BATCHES[batch])
+
+
+# ---------------------------------------------------------------------------------------------
+# HF folders the new readers refuse: one line naming the problem, nothing written
+# ---------------------------------------------------------------------------------------------
+
+def _drop_expert(d: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(d / "model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+
+
+def _edit(d: Path, **changes) -> None:
+    import json
+
+    config = json.loads((d / "config.json").read_text())
+    config.update(changes)
+    (d / "config.json").write_text(json.dumps(config))
+
+
+BROKEN = {
+    "mixtral-missing-expert": ("mixtral", _drop_expert, r"no expert 3 of blk\.1\.ffn_down_exps\.weight"),
+    "qwen2-sliding-layers": ("qwen2", lambda d: _edit(d, use_sliding_window=True, sliding_window=8),
+                             r"config\.json: use_sliding_window is true"),
+    "gemma3-rope-scaling": ("gemma3", lambda d: _edit(d, rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+        r"config\.json: rope scaling type 'linear' \(full_attention layers\)"),
+    "gpt2-activation": ("gpt2", lambda d: _edit(d, activation_function="relu"),
+                        r"config\.json: activation_function 'relu'"),
+}
+
+
+@pytest.mark.parametrize("case", params(BROKEN))
+def test_bad_hf_folder_is_one_line_error(recipes, tmp_path, capsys, case):
+    import re
+    import shutil
+
+    from sharkport.tools import import_hf as import_hf_cli
+
+    kind, breaker, message = BROKEN[case]
+    d = shutil.copytree(recipes[kind].hf_dir, tmp_path / "hf")
+    breaker(d)
+    capsys.readouterr()
+    out = tmp_path / "x.irpa"
+    assert import_hf_cli.main(["--model-dir", str(d), "--save", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err
+    assert re.search(message, err), err
+    assert not out.exists() and not list(tmp_path.glob(".x.irpa*"))
