@@ -36,13 +36,13 @@ after changing the GGUF reader or the importer.
 | `sharkport.tools.check` reports every mismatch between an archive's metadata and its tensors at once; `dump_gguf --check` also finds NaN/inf values and scales | `tests/test_check.py` |
 | Runtime inputs are checked before IREE sees them; page 0 is an ordinary page; running out of pages is an error that leaves other sequences' cache intact | `tests/test_runtime.py` |
 
-How the GGUF reader stays safe: `sharkport/formats/gguf.py` walks the header with bounds checks
-before `gguf.GGUFReader` parses it. Every count and length is weighed against the bytes left in
-the file before anything is read or allocated (gguf-py 0.19's reader trusts them: given a byte
+How the GGUF reader stays safe: `sharkport/formats/gguf.py` reads the header itself, field by
+field, with bounds checks. Every count and length is weighed against the bytes left in the file
+before anything is read or allocated (gguf-py 0.19's `GGUFReader` trusts them: given a byte
 array whose length runs past the end of the file it loops, appending an empty view per item,
 until it is killed; other types fail with a numpy ValueError), then every tensor's type, row
-size, alignment and data range is checked. Anything the reader still rejects becomes a
-`SharkportError` too.
+size, alignment and data range is checked. The same walk decodes the metadata, so
+`GGUFReader` is not used to read files (tests compare the two on real files).
 
 ## GGUF fuzz test
 """

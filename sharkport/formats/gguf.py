@@ -203,8 +203,8 @@ class _HeaderWalker:
                 raise self.fail(pos, f"the length of item {i} of {key} needs 8 bytes but the file ends at {end}")
             (length,) = struct.unpack_from(fmt, buf, pos)
             if length > end - pos - 8:
-                raise self.fail(pos, f"item {i} of {key} is {length} bytes long, more than the "
-                                     f"{end - pos - 8} bytes left before the end of the file at {end}")
+                raise self.fail(pos, f"the length of item {i} of {key} is {length}, more than the "
+                                     f"{end - pos - 8} bytes left before the end of the file at {end} can hold")
             try:
                 out.append(buf[pos + 8:pos + 8 + length].decode("utf-8"))
             except UnicodeDecodeError as e:
