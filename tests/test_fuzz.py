@@ -39,6 +39,7 @@ def test_mutated_gguf_is_read_or_rejected(workdir, case):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # ~3 min; the quick suite runs 300 cases of the same harness
 def test_ten_thousand_mutations_in_a_child_process(tmp_path):
     """10,000 cases in a separate process, so that a crash fails this test instead of ending
     pytest; the child names the case it was running."""

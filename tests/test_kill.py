@@ -16,7 +16,9 @@ import time
 
 import pytest
 
-pytestmark = pytest.mark.slow  # each case exports (and some compile) a tiny model
+# Each case exports (and some compile) a tiny model; the default suite keeps the .irpa kill test
+# (test_archive.py), these cover the other outputs.
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 # Runs `python -m <module> <args...>` in-process, with os.replace trapped: the rename onto the
 # file named KILL_AT is never done; instead the temporary file is cut in half (a write in

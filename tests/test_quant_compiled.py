@@ -142,6 +142,7 @@ def mixed_llama(tmp_path_factory):
     return root, irpa
 
 
+@pytest.mark.extended  # every type is compiled by test_compiled_dequant_is_bit_exact already
 def test_mixed_type_llama_compiled_matches_eager(mixed_llama):
     root, irpa = mixed_llama
     output, service = export_model(Dataset.load(irpa), EXPORT)
