@@ -1,19 +1,13 @@
 """The command lines as users run them: real subprocesses, exit codes, one-line errors."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from gguf_fixtures import random_blocks, write_gguf
+from run_cli import run
 
-
-def run(*args, check_rc=0):
-    proc = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == check_rc, proc.stderr
-    return proc
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,6 @@ the real Gemma-3-270M Q4_K_M file (Q4_K, Q6_K, Q5_0, Q8_0) imported whole."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import gguf
 import numpy as np
@@ -18,16 +16,14 @@ from sharkport.archive import Dataset, QuantizedTensor
 from sharkport.quant import BLOCK_TYPES
 
 from gguf_fixtures import random_tensor, write_gguf
+from run_cli import run
 
 TYPES = ["F32", "F16", "BF16", *sorted(BLOCK_TYPES)]
 SHAPE = (6, 512)
 
 
-def dump_gguf(*args: str, rc: int = 0) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "sharkport.tools.dump_gguf", *args],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == rc, proc.stderr
-    return proc
+def dump_gguf(*args: str, rc: int = 0):
+    return run("sharkport.tools.dump_gguf", *args, check_rc=rc)
 
 
 @pytest.fixture(scope="module")

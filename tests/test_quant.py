@@ -27,6 +27,15 @@ def test_dequant_is_bit_exact(type_name):
 
 
 @pytest.mark.parametrize("type_name", sorted(BLOCK_TYPES), ids=sorted(BLOCK_TYPES))
+def test_pack_is_the_inverse_of_unpack(type_name):
+    raw = random_blocks(type_name, SHAPE, np.random.default_rng(4))
+    bt = BLOCK_TYPES[type_name]
+    assert bt.pack(bt.unpack(raw, SHAPE)).tobytes() == raw.tobytes()
+    row = raw[0]
+    assert bt.pack(bt.unpack(row, SHAPE[1:])).tobytes() == row.tobytes()  # 1-D tensors too
+
+
+@pytest.mark.parametrize("type_name", sorted(BLOCK_TYPES), ids=sorted(BLOCK_TYPES))
 def test_plane_shapes_follow_the_block_struct(type_name):
     bt = BLOCK_TYPES[type_name]
     planes = bt.unpack(random_blocks(type_name, SHAPE, np.random.default_rng(2)), SHAPE)

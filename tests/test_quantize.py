@@ -4,8 +4,6 @@ flags are one-line errors."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import gguf
 import numpy as np
@@ -17,15 +15,13 @@ from sharkport.archive import Dataset, QuantizedTensor, import_gguf
 from sharkport.quant import BLOCK_TYPES
 
 from gguf_fixtures import write_gguf
+from run_cli import run
 
 TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 
 
-def quantize(*args: str, rc: int = 0) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "sharkport.tools.quantize", *args],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == rc, proc.stderr
-    return proc
+def quantize(*args: str, rc: int = 0):
+    return run("sharkport.tools.quantize", *args, check_rc=rc)
 
 
 @pytest.fixture(scope="module")

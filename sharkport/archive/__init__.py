@@ -18,7 +18,7 @@ from ..formats.hf import HfCheckpoint, PlannedTensor, hf_tokenizer_files, read_h
 from ..formats.names import gguf_rope_layout
 from ..quant import BLOCK_TYPES, PLAIN_TYPES, check_supported
 from .irpa import ARCHIVE_VERSION, Entry, read_archive, weight_entries, write_archive
-from .tensors import QuantizedTensor, Theta, Weight
+from .tensors import QuantizedTensor, Theta, Weight, weight_from_raw
 
 __all__ = ["Dataset", "QuantizedTensor", "Theta", "Weight", "import_gguf", "import_hf", "save_dataset",
            "gguf_archive_metadata", "hf_archive_metadata"]
@@ -113,19 +113,7 @@ def _raw_bytes(t: GgufTensor) -> np.ndarray:
 
 
 def _gguf_weights(gg: GgufFile) -> dict[str, Weight]:
-    weights: dict[str, Weight] = {}
-    for t in gg.tensors:
-        raw = _raw_bytes(t)
-        if t.type_name in PLAIN_TYPES:
-            np_dtype, torch_dtype = PLAIN_TYPES[t.type_name]
-            values = torch.from_numpy(raw.copy().view(np_dtype))
-            weights[t.name] = values.view(getattr(torch, torch_dtype)).reshape(t.shape)
-        else:
-            planes = BLOCK_TYPES[t.type_name].unpack(raw, t.shape)
-            weights[t.name] = QuantizedTensor(
-                t.type_name, t.shape, {k: torch.from_numpy(v) for k, v in planes.items()}
-            )
-    return weights
+    return {t.name: weight_from_raw(t.type_name, t.shape, _raw_bytes(t)) for t in gg.tensors}
 
 
 def import_gguf(gguf_file: str | os.PathLike | GgufFile, irpa_path: str | os.PathLike,
@@ -156,14 +144,13 @@ def import_gguf(gguf_file: str | os.PathLike | GgufFile, irpa_path: str | os.Pat
     return metadata
 
 
-def save_dataset(dataset: Dataset, irpa_path: str | os.PathLike, progress: bool = True,
-                 source: str | None = None) -> dict[str, Any]:
+def save_dataset(dataset: Dataset, irpa_path: str | os.PathLike, progress: bool = True) -> dict[str, Any]:
     """Writes any Dataset (e.g. a requantized view of one) as an .irpa, reading one weight at a
     time from its theta, atomically. Returns the metadata written."""
     irpa_path = Path(irpa_path)
     if irpa_path.exists() and irpa_path.resolve() == Path(dataset.path).resolve():
         raise SharkportError(f"{irpa_path}: refusing to overwrite the input file; choose another output path")
-    metadata = {**dataset.metadata, "source": source or dataset.metadata.get("source", Path(dataset.path).name)}
+    metadata = {**dataset.metadata, "source": dataset.metadata.get("source", Path(dataset.path).name)}
 
     def entries(bar) -> Iterator[Entry]:
         for name in metadata["tensors"]:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from ..quant import BLOCK_TYPES
+from ..quant import BLOCK_TYPES, PLAIN_TYPES
 
 
 @dataclass
@@ -27,6 +28,18 @@ class QuantizedTensor:
 
 
 Weight = torch.Tensor | QuantizedTensor
+
+
+def weight_from_raw(type_name: str, shape: tuple[int, ...], raw: np.ndarray) -> Weight:
+    """One tensor's bytes as ggml stores them (any contiguous array) → a plain torch tensor of
+    `shape`, or a QuantizedTensor holding its planes. Plain values are copied; planes are split."""
+    raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    if type_name in PLAIN_TYPES:
+        np_dtype, torch_dtype = PLAIN_TYPES[type_name]
+        values = torch.from_numpy(raw.copy().view(np_dtype))
+        return values.view(getattr(torch, torch_dtype)).reshape(shape)
+    planes = BLOCK_TYPES[type_name].unpack(raw, shape)
+    return QuantizedTensor(type_name, tuple(shape), {k: torch.from_numpy(v) for k, v in planes.items()})
 
 
 class Theta:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from ..archive import Theta
 from ..errors import SharkportError
 from ..layers.paged_cache import PagedCache
 
@@ -34,14 +36,29 @@ class CausalLM(torch.nn.Module):
 
     config: ModelConfig
     cache: PagedCache
+    hp: Any  # the recipe's hyperparameters (formats/keys.py): arch, vocab_size, context_length, ...
+    theta: Theta
 
     @property
     def vocab_size(self) -> int:
-        raise NotImplementedError
+        return self.hp.vocab_size
 
     @property
     def context_length(self) -> int:
-        raise NotImplementedError
+        return self.hp.context_length
+
+    def _require_tensors(self, path, names: list[str]) -> None:
+        """One error naming the first missing tensors, before any layer is built."""
+        missing = [n for n in names if n not in self.theta]
+        if missing:
+            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            raise SharkportError(f"{path}: {self.hp.arch} model is missing tensors {', '.join(missing[:3])}"
+                                 f"{more}; the file is incomplete or not a {self.hp.arch} model")
+
+    def _output_weight(self):
+        """output.weight, or the embeddings when they are tied (GGUF files then omit output.weight)."""
+        output = self.theta.get("output.weight")
+        return output if output is not None else self.theta["token_embd.weight"]
 
     def new_cache(self, pages: int) -> torch.Tensor:
         return torch.zeros(pages, self.cache.page_elems, dtype=self.config.kv_cache_dtype)

@@ -39,11 +39,8 @@ class Gemma3(CausalLM):
             # Gemma-3 4B and larger scale the global layers' positions; not implemented yet.
             raise SharkportError(f"{dataset.path}: gemma3 rope scaling ({scaling}) is not supported yet; "
                                  "only unscaled models (such as Gemma-3-270M and 1B) run")
-        missing = [n for n in ["token_embd.weight", "output_norm.weight"] + [
-            f"blk.{i}.{n}.weight" for i in range(hp.block_count) for n in _BLOCK_TENSORS] if n not in self.theta]
-        if missing:
-            raise SharkportError(f"{dataset.path}: gemma3 model is missing tensors {', '.join(missing[:3])}"
-                                 f"{' and more' if len(missing) > 3 else ''}; the file is incomplete")
+        self._require_tensors(dataset.path, ["token_embd.weight", "output_norm.weight"] + [
+            f"blk.{i}.{n}.weight" for i in range(hp.block_count) for n in _BLOCK_TENSORS])
         self.cache = PagedCache(hp.block_count, hp.head_count_kv, hp.head_dim, config.block_seq_stride)
         self.sliding = [hp.is_sliding(i) for i in range(hp.block_count)]
 
@@ -57,16 +54,7 @@ class Gemma3(CausalLM):
             for i in range(hp.block_count)
         )
         self.ffn = torch.nn.ModuleList(GeGLU(self.theta("blk", i)) for i in range(hp.block_count))
-        output = self.theta.get("output.weight")
-        self.output = output if output is not None else self.theta["token_embd.weight"]
-
-    @property
-    def vocab_size(self) -> int:
-        return self.hp.vocab_size
-
-    @property
-    def context_length(self) -> int:
-        return self.hp.context_length
+        self.output = self._output_weight()
 
     def _ropes(self, positions: torch.Tensor) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
         """{sliding: (cos, sin)}: local and global layers rotate with different bases."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 
 from ..archive import Dataset
-from ..errors import SharkportError
 from ..formats.keys import GPT2HParams
 from ..layers import AttentionConfig, GeluMLP, PagedAttention, PagedCache
 from ..ops import embedding, layer_norm, linear
@@ -24,25 +23,13 @@ class GPT2(CausalLM):
         self.hp, self.config, self.theta = hp, config, dataset.theta
         expected = ["token_embd.weight", "position_embd.weight", "output_norm.weight", "output_norm.bias"]
         expected += [f"blk.{i}.{n}" for i in range(hp.block_count) for n in _BLOCK_TENSORS]
-        missing = [n for n in expected if n not in self.theta]
-        if missing:
-            raise SharkportError(f"{dataset.path}: gpt2 model is missing tensors {', '.join(missing[:3])}"
-                                 f"{' and more' if len(missing) > 3 else ''}; the file is incomplete")
+        self._require_tensors(dataset.path, expected)
         self.cache = PagedCache(hp.block_count, hp.head_count, hp.head_dim, config.block_seq_stride)
         attn = AttentionConfig(hp.head_count, hp.head_count, hp.head_dim, rope_layout="half")
         self.attention = torch.nn.ModuleList(
             PagedAttention(self.theta("blk", i), attn, self.cache, i) for i in range(hp.block_count))
         self.ffn = torch.nn.ModuleList(GeluMLP(self.theta("blk", i)) for i in range(hp.block_count))
-        output = self.theta.get("output.weight")
-        self.output = output if output is not None else self.theta["token_embd.weight"]
-
-    @property
-    def vocab_size(self) -> int:
-        return self.hp.vocab_size
-
-    @property
-    def context_length(self) -> int:
-        return self.hp.context_length  # the learned position table ends here
+        self.output = self._output_weight()  # (context_length: the learned position table ends there)
 
     def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         dtype = self.config.dtype

@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from ..archive import Dataset
-from ..errors import SharkportError
 from ..formats.keys import LlamaHParams
 from ..layers import AttentionConfig, MixtureOfExperts, PagedAttention, PagedCache, SwiGLU
 from ..ops import embedding, linear, rms_norm, rope_angles
@@ -37,17 +36,7 @@ class Llama(CausalLM):
             MixtureOfExperts(self.theta("blk", i), hp.expert_count, hp.expert_used_count) if hp.expert_count
             else SwiGLU(self.theta("blk", i)) for i in range(hp.block_count)
         )
-        # Tied embeddings: GGUF files simply omit output.weight.
-        output = self.theta.get("output.weight")
-        self.output = output if output is not None else self.theta["token_embd.weight"]
-
-    @property
-    def vocab_size(self) -> int:
-        return self.hp.vocab_size
-
-    @property
-    def context_length(self) -> int:
-        return self.hp.context_length
+        self.output = self._output_weight()
 
     def _check_tensors(self, dataset: Dataset) -> None:
         ffn = (("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps") if self.hp.expert_count
@@ -56,13 +45,7 @@ class Llama(CausalLM):
             f"blk.{i}.{n}.weight" for i in range(self.hp.block_count)
             for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", *ffn)
         ]
-        missing = [n for n in expected if n not in self.theta]
-        if missing:
-            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-            raise SharkportError(
-                f"{dataset.path}: {self.hp.arch} model is missing tensors {', '.join(missing[:3])}{more}; "
-                f"the file is incomplete or not a {self.hp.arch} model"
-            )
+        self._require_tensors(dataset.path, expected)
 
     def _rope(self, positions: torch.Tensor):
         return rope_angles(positions, self.hp.rope_dim, self.hp.rope_freq_base)

@@ -65,6 +65,15 @@ class BlockType:
         blocks = blocks.reshape(*outer, n // self.block_size)
         return {f: np.ascontiguousarray(blocks[f]) for f, _, _ in self.fields}
 
+    def pack(self, planes: dict[str, np.ndarray]) -> np.ndarray:
+        """The inverse of unpack: planes (numpy) → raw block bytes [..., bytes per row]."""
+        first = planes[self.fields[0][0]]
+        outer = first.shape if self.fields[0][2] == 1 else first.shape[:-1]  # [..., blocks]
+        blocks = np.empty(outer, self.struct)
+        for field, _, _ in self.fields:
+            blocks[field] = planes[field]
+        return blocks.view(np.uint8).reshape(*outer[:-1], -1)
+
     def dequant(self, planes: dict):
         """Planes (torch tensors) → float32 values of shape [..., N]."""
         from .dequant import DEQUANT

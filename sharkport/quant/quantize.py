@@ -18,6 +18,7 @@ import torch
 from gguf import quants
 
 from ..archive import Dataset, QuantizedTensor, Theta, Weight
+from ..archive.tensors import weight_from_raw
 from ..errors import SharkportError
 from . import BLOCK_TYPES, PLAIN_TYPES
 
@@ -90,15 +91,6 @@ def quantize_array(values: np.ndarray, type_name: str) -> np.ndarray:
     return quants.quantize(values, gguf.GGMLQuantizationType[type_name])
 
 
-def to_weight(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Weight:
-    """quantize_array's output as the model code sees a weight."""
-    if type_name in BLOCK_TYPES:
-        planes = BLOCK_TYPES[type_name].unpack(raw, shape)
-        return QuantizedTensor(type_name, shape, {k: torch.from_numpy(v) for k, v in planes.items()})
-    tensor = torch.from_numpy(np.ascontiguousarray(raw))
-    return tensor.view(torch.bfloat16) if type_name == "BF16" else tensor
-
-
 def float_values(w: Weight) -> np.ndarray:
     return (w.dequant() if isinstance(w, QuantizedTensor) else w.to(torch.float32)).numpy()
 
@@ -116,7 +108,7 @@ class _Requantized(Mapping):
         if target == current:
             return w
         shape = tuple(self._dataset.metadata["tensors"][name]["shape"])
-        return to_weight(quantize_array(float_values(w), target), target, shape)
+        return weight_from_raw(target, shape, quantize_array(float_values(w), target))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._plan)

@@ -18,7 +18,7 @@ from typing import Any
 from ..errors import SharkportError, cli_main
 from ..fileio import atomic_output
 from ..formats.gguf import GgufFile, GgufTensor, read_gguf
-from ..quant import BLOCK_TYPES, PLAIN_TYPES, check_supported
+from ..quant import BLOCK_TYPES, check_supported
 from ._cli import add_hf_dataset, hf_dataset_path
 
 _ARRAY_HEAD = 3
@@ -79,7 +79,6 @@ def dump_tensors(tensors: list[GgufTensor], out_dir: Path, progress: bool = Fals
     `index.json` naming each tensor's type, shape and files. Each file is written atomically,
     large tensors a chunk of rows at a time."""
     import numpy as np
-    import torch
     from tqdm import tqdm
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -93,7 +92,7 @@ def dump_tensors(tensors: list[GgufTensor], out_dir: Path, progress: bool = Fals
             flat = values.reshape(rows.shape[0], t.shape[-1])
             for start in range(0, rows.shape[0], step):
                 chunk = rows[start:start + step]
-                flat[start:start + len(chunk)] = _float_rows(t.type_name, chunk, t.shape[-1], torch)
+                flat[start:start + len(chunk)] = _float_rows(t.type_name, chunk, t.shape[-1])
             values.flush()
             del values, flat
         if t.type_name in BLOCK_TYPES:
@@ -108,16 +107,15 @@ def dump_tensors(tensors: list[GgufTensor], out_dir: Path, progress: bool = Fals
     return index
 
 
-def _float_rows(type_name: str, raw_rows, n: int, torch):
+def _float_rows(type_name: str, raw_rows, n: int):
     """Raw bytes [rows, bytes per row] of one tensor → float32 [rows, n], with the same code
     the archive and the exported program use."""
-    if type_name in BLOCK_TYPES:
-        bt = BLOCK_TYPES[type_name]
-        planes = bt.unpack(raw_rows, (raw_rows.shape[0], n))
-        return bt.dequant({k: torch.from_numpy(v) for k, v in planes.items()}).numpy()
-    np_dtype, torch_dtype = PLAIN_TYPES[type_name]
-    values = torch.from_numpy(raw_rows.reshape(-1).view(np_dtype).copy()).view(getattr(torch, torch_dtype))
-    return values.to(torch.float32).reshape(raw_rows.shape[0], n).numpy()
+    import torch
+
+    from ..archive.tensors import QuantizedTensor, weight_from_raw
+
+    w = weight_from_raw(type_name, (raw_rows.shape[0], n), raw_rows)
+    return (w.dequant() if isinstance(w, QuantizedTensor) else w.to(torch.float32)).numpy()
 
 
 def select(gg: GgufFile, tensor_regex: str | None, num_blocks: int | None) -> tuple[GgufFile, list[GgufTensor]]:

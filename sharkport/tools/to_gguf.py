@@ -155,10 +155,7 @@ def _gguf_bytes(name: str, weight, layout: dict[str, Any], hp, rope_layout: str)
 
     if isinstance(weight, QuantizedTensor):
         block = BLOCK_TYPES[layout["type"]]
-        blocks = np.empty(weight.planes[block.fields[0][0]].shape[: len(weight.shape)], block.struct)
-        for field, _, _ in block.fields:
-            blocks[field] = weight.planes[field].numpy()
-        return rows(blocks.view(np.uint8).reshape(*weight.shape[:-1], -1))
+        return rows(block.pack({k: p.numpy() for k, p in weight.planes.items()}))
     if weight.dtype == torch.bfloat16:
         return rows(weight.view(torch.int16).numpy().view(np.uint16))
     return rows(weight.numpy())

@@ -1,0 +1,13 @@
+"""Runs a command line as users do: `python -m <module> <args>` in a fresh process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def run(*args: str, check_rc: int = 0, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`run("sharkport.tools.dump_gguf", "--gguf-file", ...)`; asserts the exit status."""
+    proc = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == check_rc, proc.stderr
+    return proc
