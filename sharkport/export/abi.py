@@ -89,13 +89,16 @@ class ServiceConfig:
     block_seq_stride: int
     device_block_count: int
     kv_cache_dtype: str
-    page_elems: int
+    page_elems: int  # of one device's cache_state
     vocab_size: int
     module_name: str = MODULE_NAME
     module_abi_version: int = ABI_VERSION
     logits_normalization: str = "none"
     top_k: int | None = None
     has_prefill_position: bool = False
+    # Devices the module runs on (one cache_state argument each); written as the length of
+    # paged_kv_block_size_elements_per_device. See docs/parallel.md.
+    tensor_parallelism_size: int = 1
 
     def to_json(self) -> dict:
         return {
@@ -115,7 +118,7 @@ class ServiceConfig:
                 "block_seq_stride": self.block_seq_stride,
                 "device_block_count": self.device_block_count,
                 "kv_cache_dtype": self.kv_cache_dtype,
-                "paged_kv_block_size_elements_per_device": [self.page_elems],
+                "paged_kv_block_size_elements_per_device": [self.page_elems] * self.tensor_parallelism_size,
             },
         }
 
@@ -133,6 +136,7 @@ class ServiceConfig:
                 device_block_count=kv["device_block_count"],
                 kv_cache_dtype=kv["kv_cache_dtype"],
                 page_elems=kv["paged_kv_block_size_elements_per_device"][0],
+                tensor_parallelism_size=len(kv["paged_kv_block_size_elements_per_device"]),
                 vocab_size=d["vocab_size"],
                 module_name=d.get("module_name", MODULE_NAME),
                 module_abi_version=d.get("module_abi_version", ABI_VERSION),
