@@ -23,18 +23,26 @@ TARGETS: dict[str, list[str]] = {
 }
 
 
-def compile_flags(target: str = "llvm-cpu", extra_flags: list[str] | None = None) -> list[str]:
+def compile_flags(target: str = "llvm-cpu", extra_flags: list[str] | None = None, devices: int = 1) -> list[str]:
+    """The preset's flags plus `extra_flags`. With `devices` > 1 (a tensor-parallel module) the
+    target device is declared once per logical device: `--iree-hal-target-device=local[0]`,
+    `local[1]`, ... (the module's `__device_0`, `__device_1`, ...)."""
     if target not in TARGETS:
         raise SharkportError(f"unknown --target {target!r} (known: {', '.join(TARGETS)})")
-    return TARGETS[target] + list(extra_flags or [])
+    flags = []
+    for f in TARGETS[target]:
+        per_device = devices > 1 and f.startswith("--iree-hal-target-device=")
+        flags += [f"{f}[{i}]" for i in range(devices)] if per_device else [f]
+    return flags + list(extra_flags or [])
 
 
 def compile_mlir(mlir_path: str | os.PathLike, vmfb_path: str | os.PathLike,
-                 target: str = "llvm-cpu", extra_flags: list[str] | None = None) -> list[str]:
-    """iree-compile mlir → vmfb (written atomically). Returns the flags used."""
+                 target: str = "llvm-cpu", extra_flags: list[str] | None = None, devices: int = 1) -> list[str]:
+    """iree-compile mlir → vmfb (written atomically), for `devices` logical devices. Returns the
+    flags used."""
     import iree.compiler  # loaded on use, so importing TARGETS stays cheap
 
-    flags = compile_flags(target, extra_flags)
+    flags = compile_flags(target, extra_flags, devices)
     with atomic_output(vmfb_path) as tmp:
         try:
             iree.compiler.compile_file(str(mlir_path), output_file=str(tmp), extra_args=flags)
