@@ -20,8 +20,8 @@ from ..quant import BLOCK_TYPES, PLAIN_TYPES, check_supported
 from .irpa import ARCHIVE_VERSION, Entry, read_archive, weight_entries, write_archive
 from .tensors import QuantizedTensor, Theta, Weight, weight_from_raw
 
-__all__ = ["Dataset", "QuantizedTensor", "Theta", "Weight", "import_gguf", "import_hf", "save_dataset",
-           "gguf_archive_metadata", "hf_archive_metadata"]
+__all__ = ["Dataset", "QuantizedTensor", "Theta", "Weight", "entries_of", "import_gguf", "import_hf",
+           "save_dataset", "gguf_archive_metadata", "hf_archive_metadata"]
 
 
 @dataclass
@@ -154,19 +154,22 @@ def save_dataset(dataset: Dataset, irpa_path: str | os.PathLike, progress: bool 
 
     def entries(bar) -> Iterator[Entry]:
         for name in metadata["tensors"]:
-            w = dataset.theta[name]
-            if isinstance(w, QuantizedTensor):
-                for plane, t in w.planes.items():
-                    yield Entry(f"{name}:{plane}", t.dtype, tuple(t.shape), data=t.numpy())
-            else:
-                bits = w.view(torch.int16) if w.dtype == torch.bfloat16 else w
-                yield Entry(name, w.dtype, tuple(w.shape), data=bits.contiguous().numpy())
+            yield from entries_of(name, dataset.theta[name])
             bar.update(1)
 
     with tqdm(total=len(metadata["tensors"]), unit="tensor", desc=f"write {irpa_path.name}",
               disable=not progress) as bar:
         write_archive(irpa_path, entries(bar), metadata)
     return metadata
+
+
+def entries_of(name: str, w: Weight) -> list[Entry]:
+    """The archive entries of one weight held in memory: itself, or its planes `name:plane`."""
+    if isinstance(w, QuantizedTensor):
+        return [Entry(f"{name}:{plane}", t.dtype, tuple(t.shape), data=t.contiguous().numpy())
+                for plane, t in w.planes.items()]
+    bits = w.view(torch.int16) if w.dtype == torch.bfloat16 else w  # numpy has no bfloat16
+    return [Entry(name, w.dtype, tuple(w.shape), data=bits.contiguous().numpy())]
 
 
 def hf_archive_metadata(ckpt: HfCheckpoint, plan: list[PlannedTensor]) -> dict[str, Any]:
