@@ -24,6 +24,11 @@ __all__ = ["CausalLM", "ModelConfig", "RECIPES", "build_model"]
 
 def build_model(dataset: Dataset, config: ModelConfig | None = None) -> CausalLM:
     """The recipe for the dataset's architecture, reading weights from its Theta."""
+    tp = dataset.metadata.get("tensor_parallelism")
+    if tp is not None:  # its weights are in rank files: sharkport.parallel reads them
+        what = f"rank {tp['rank']} of a tensor-parallel archive" if "rank" in tp else "a tensor-parallel root archive"
+        raise SharkportError(f"{dataset.path}: is {what} ({tp['size']} ranks); only the tensor-parallel export "
+                             "and compiled module read it (docs/parallel.md); use the unsharded archive here")
     arch = dataset.architecture
     if arch not in RECIPES:
         raise SharkportError(
