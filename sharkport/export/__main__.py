@@ -38,6 +38,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="pages a server should allocate (recorded in the config; default 256)")
     parser.add_argument("--max-seq-len", type=int,
                         help="longest sequence served (default: the model's context length)")
+    parser.add_argument("--tensor-parallelism-size", type=int, metavar="N",
+                        help="split the model over N devices (attention heads, FFN columns, vocabulary; "
+                             "docs/parallel.md): shards it into --output-irpa and N rank files, exports "
+                             "functions with one cache_state per device and, with --output-vmfb, compiles for N "
+                             "devices. Default: 1, or the size of a tensor-parallel --irpa-file")
+    parser.add_argument("--output-irpa", type=Path, metavar="x.irpa",
+                        help="with --tensor-parallelism-size N > 1: the root archive to write; rank r's "
+                             "weights go to x.rank{r}.irpa beside it")
     parser.add_argument("--activation-dtype", choices=DTYPE_NAMES, default="float32")
     parser.add_argument("--kv-cache-dtype", choices=["float32", "float16"], default="float32")
     parser.add_argument("--target", choices=list(TARGETS), default="llvm-cpu",
@@ -55,10 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     from ..compile import compile_mlir
     from ..formats.keys import LlamaHParams
     from ..models import ModelConfig
+    from ..parallel.archive import open_or_shard
     from . import export_model, save_export
     from .abi import ExportConfig
 
     dataset = load_dataset(args)
+    sharded = open_or_shard(dataset, args.tensor_parallelism_size, args.output_irpa, _log)  # None: unsharded
     stride = args.block_seq_stride
     max_seq_len = args.max_seq_len
     if max_seq_len is None:
@@ -69,13 +79,18 @@ def main(argv: list[str] | None = None) -> int:
                                kv_cache_dtype=getattr(torch, args.kv_cache_dtype))
     t0 = time.perf_counter()
     _log(f"exporting {dataset.path.name}: prefill {list(config.bs_prefill)}, decode {list(config.bs_decode)}")
-    output, service = export_model(dataset, config, model_config)
+    if sharded is None:
+        output, service = export_model(dataset, config, model_config)
+    else:
+        from ..parallel.export import export_sharded
+
+        output, service = export_sharded(sharded, config, model_config)
     save_export(output, service, args.output_mlir, args.output_config)
     _log(f"wrote {args.output_mlir} and {args.output_config} in {time.perf_counter() - t0:.1f} s")
     if args.output_vmfb:
         t0 = time.perf_counter()
         _log(f"compiling for {args.target} ...")
-        compile_mlir(args.output_mlir, args.output_vmfb, args.target, extra)
+        compile_mlir(args.output_mlir, args.output_vmfb, args.target, extra, devices=service.tensor_parallelism_size)
         _log(f"wrote {args.output_vmfb} in {time.perf_counter() - t0:.1f} s")
     return 0
 

@@ -38,6 +38,32 @@ def rank_path(root: str | os.PathLike, rank: int) -> Path:
     return root.with_name(f"{root.stem}.rank{rank}{root.suffix or '.irpa'}")
 
 
+def parameter_files(root: str | os.PathLike, size: int) -> tuple[list[Path], int]:
+    """The rank files a module for `size` devices loads, and the vocabulary size, from the root
+    archive `root` (checked to be a tensor-parallel root of `size` ranks, its rank files present)."""
+    import json
+
+    import iree.runtime as rt
+    import numpy as np
+
+    from ..archive.irpa import METADATA_KEY
+
+    index = rt.ParameterIndex()
+    index.load(str(root), mmap=True)
+    entries = dict(index.items())
+    tp = {}
+    if METADATA_KEY in entries:
+        tp = json.loads(bytes(np.asarray(entries[METADATA_KEY].file_view))).get(METADATA_FIELD, {})
+    if tp.get("size") != size or "rank" in tp:
+        raise SharkportError(f"{root}: the module runs on {size} devices, so pass the root archive written "
+                             f"with it by --tensor-parallelism-size {size} (--output-irpa)")
+    paths = [Path(root).with_name(name) for name in tp["ranks"]]
+    for r, path in enumerate(paths):
+        if not path.is_file():
+            raise SharkportError(f"{path}: rank {r} of {root} is missing; it is written beside the root")
+    return paths, int(tp["tensors"]["token_embd.weight"]["shape"][0])
+
+
 def is_sharded(metadata: dict[str, Any]) -> bool:
     """Whether archive metadata is that of a tensor-parallel root (or rank) archive."""
     return METADATA_FIELD in metadata
@@ -95,6 +121,32 @@ class ShardedDataset:
             ranks.append(Theta({name.removesuffix(suffix): w for name, w in weights.items()}))
             keep.append(archive)
         return cls(Path(root.path), root.metadata, ranks, (root, keep))
+
+
+def open_or_shard(dataset: Dataset, size: int | None, output: Path | None, log=print) -> ShardedDataset | None:
+    """What `python -m sharkport.export` exports for --tensor-parallelism-size `size` and
+    --output-irpa `output`: a tensor-parallel root as it is, `dataset` sharded into new archives
+    at `output`, or None (unsharded)."""
+    if size is not None and size < 1:
+        raise SharkportError(f"--tensor-parallelism-size must be at least 1, got {size}")
+    if is_sharded(dataset.metadata):
+        sharded = ShardedDataset.from_root(dataset)
+        if size not in (None, sharded.size):
+            raise SharkportError(f"{dataset.path}: is sharded for {sharded.size} devices, not "
+                                 f"--tensor-parallelism-size {size}; shard the unsharded archive again")
+        if output is not None:
+            raise SharkportError(f"--output-irpa: {dataset.path} is sharded already; drop --output-irpa")
+        return sharded
+    if size is None or size == 1:
+        if output is not None:
+            raise SharkportError("--output-irpa writes tensor-parallel archives: give --tensor-parallelism-size N (N > 1)")
+        return None
+    if output is None:
+        raise SharkportError(f"--tensor-parallelism-size {size} writes the sharded archives: give --output-irpa "
+                             "x.irpa (rank r goes to x.rank{r}.irpa)")
+    _check(dataset, size)  # before the log line: a refusal is the only line printed
+    log(f"sharding {Path(dataset.path).name} over {size} devices into {output} and its rank files")
+    return save_sharded(dataset, size, output)
 
 
 def shard_weights(dataset: Dataset, size: int) -> Iterator[tuple[str, str, list[Weight | None]]]:

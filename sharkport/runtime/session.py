@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -74,7 +75,11 @@ class Session:
 
 
 class IreeSession(Session):
-    """A compiled module with its parameters, on an IREE device (default `local-task`)."""
+    """A compiled module with its parameters, on an IREE device (default `local-task`).
+
+    A tensor-parallel module (config `tensor_parallelism_size` N > 1, docs/parallel.md) runs on N
+    devices of that kind: `irpa` is then the root archive, and rank r's file and cache_state go
+    to device r."""
 
     def __init__(self, vmfb: str | os.PathLike, irpa: str | os.PathLike, config: str | os.PathLike | ServiceConfig,
                  pages: int | None = None, device: str = "local-task"):
@@ -90,6 +95,9 @@ class IreeSession(Session):
             config = ServiceConfig.from_json(json.loads(path.read_text()), str(path))
         self.config = config
         self.pages = pages or config.device_block_count
+        if config.tensor_parallelism_size > 1:
+            self._load_on_devices(rt, vmfb, irpa, config, device)
+            return
         self._rt_config = rt.Config(device)
         instance = self._rt_config.vm_instance
         index = rt.ParameterIndex()
@@ -101,14 +109,33 @@ class IreeSession(Session):
         self._module = self._modules[-1]
         self._device = self._rt_config.device
         dtype = _NP_CACHE_DTYPES[config.kv_cache_dtype]
-        self._cache = rt.asdevicearray(self._device, np.zeros((self.pages, config.page_elems), dtype))
+        self._caches = [rt.asdevicearray(self._device, np.zeros((self.pages, config.page_elems), dtype))]
+
+    def _load_on_devices(self, rt, vmfb, root, config: ServiceConfig, device: str) -> None:
+        """A tensor-parallel module: the root's rank files and one cache per device, N devices."""
+        from ..parallel.archive import parameter_files
+
+        n = config.tensor_parallelism_size
+        files, vocab = parameter_files(root, n)
+        self.config = config if config.vocab_size is not None else replace(config, vocab_size=vocab)
+        devices = [rt.get_device(device, cache=False) for _ in range(n)]  # N devices, not one shared
+        instance = rt.VmInstance()
+        index = rt.ParameterIndex()
+        for f in files:  # every name is distinct (`.shard.{r}`), so all load into scope "model"
+            index.load(str(f), mmap=True)
+        params = rt.create_io_parameters_module(instance, index.create_provider(scope="model"))
+        hal = rt.create_hal_module(instance, devices=devices)
+        main = rt.VmModule.mmap(instance, str(vmfb))
+        self._module = _Functions(rt, rt.VmContext(instance, modules=[params, hal, main]), main, devices[0])
+        dtype = _NP_CACHE_DTYPES[config.kv_cache_dtype]
+        self._caches = [rt.asdevicearray(d, np.zeros((self.pages, config.page_elems), dtype)) for d in devices]
 
     def _call(self, name: str, *args) -> np.ndarray:
         try:
             fn = self._module[name]
         except (KeyError, AttributeError):
             raise SharkportError(f"the module has no function {name}") from None
-        result = fn(*args, self._cache)
+        result = fn(*args, *self._caches)
         # to_host() is a view that does not keep the device buffer alive: copy it.
         return np.array(result.to_host(), copy=True)
 
@@ -119,7 +146,30 @@ class IreeSession(Session):
         return self._call(f"decode_bs{tokens.shape[0]}", tokens, seq_lens, start_positions, seq_block_ids)
 
     def cache_to_host(self) -> np.ndarray:
-        return np.array(self._cache.to_host(), copy=True)
+        if len(self._caches) > 1:
+            raise SharkportError(
+                f"the module runs on {len(self._caches)} devices (tensor parallelism), each with its own "
+                "cache_state: read them with caches_to_host(); tools that replay single calls handle "
+                "one-device modules only")
+        return self.caches_to_host()[0]
+
+    def caches_to_host(self) -> list[np.ndarray]:
+        """Each device's cache_state, in device order."""
+        return [np.array(c.to_host(), copy=True) for c in self._caches]
+
+
+class _Functions:
+    """A module's functions in a context built by hand (several devices), looked up by name like
+    load_vm_modules' modules; inputs and results go through `device` (device 0)."""
+
+    def __init__(self, rt, context, module, device):
+        self._rt, self._context, self._module, self._device = rt, context, module, device
+
+    def __getitem__(self, name: str):
+        fn = self._module.lookup_function(name)
+        if fn is None:
+            raise KeyError(name)
+        return self._rt.FunctionInvoker(self._context, self._device, fn)
 
 
 class EagerSession(Session):
