@@ -6,7 +6,7 @@
 * archives: rank r holds exactly `<name>.shard.{r}` entries (read back with turbine's
   ParameterArchive), whose pieces reassemble the original tensors; the root holds only metadata.
 * errors: head counts that do not divide, quantized columns that do not split into whole blocks,
-  and the export CLI's flag checks, each one line with nothing written.
+  the export CLI's flag checks (one line, nothing written), and unsharded tools given the archives.
 * compiled (slow): `python -m sharkport.export --tensor-parallelism-size 2 ... --output-vmfb`
   run on 2 local-task devices gives the unsharded module's logits (and transformers'), and
   `iree-run-module` with two --device and two --parameters flags reproduces them.
@@ -25,6 +25,7 @@ import torch
 from run_cli import run
 from sharkport.archive import Dataset
 from sharkport.errors import SharkportError
+from sharkport.export.__main__ import main as export_main
 from sharkport.export import service_config
 from sharkport.export.abi import ExportConfig
 from sharkport.models import ModelConfig, build_model
@@ -189,8 +190,9 @@ def test_archives_hold_each_rank_under_its_own_names(irpa_of, tmp_path):
 # Command line
 # ---------------------------------------------------------------------------------------------
 
-def export_cli(*args: str, check_rc: int = 0):
-    return run("sharkport.export", *args, check_rc=check_rc)
+def export_cli(*args: str):
+    """The export command line in a fresh process, as users run it."""
+    return run("sharkport.export", *args)
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -202,13 +204,43 @@ def export_cli(*args: str, check_rc: int = 0):
     pytest.param(["--output-irpa", "{out}/tp.irpa"],
                  "--output-irpa writes tensor-parallel archives: give --tensor-parallelism-size N (N > 1)",
                  id="output-irpa-alone"),
+    pytest.param(["--tensor-parallelism-size", "0"], "--tensor-parallelism-size must be at least 1, got 0",
+                 id="zero"),
 ])
-def test_cli_flag_errors_are_one_line(irpa_of, tmp_path, flags, message):
+def test_cli_flag_errors_are_one_line(irpa_of, tmp_path, capsys, flags, message):
     out = tmp_path / "out"
-    proc = export_cli("--irpa-file", str(irpa_of("gqa-tied")), "--output-mlir", str(out / "x.mlir"),
-                      "--output-config", str(out / "x.json"), *[f.format(out=out) for f in flags], check_rc=2)
-    assert len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr
+    status = export_main(["--irpa-file", str(irpa_of("gqa-tied")), "--output-mlir", str(out / "x.mlir"),
+                          "--output-config", str(out / "x.json"), *[f.format(out=out) for f in flags]])
+    err = capsys.readouterr().err
+    assert status == 2 and len(err.strip().splitlines()) == 1 and message in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("flags,message", [
+    pytest.param(["--tensor-parallelism-size", "4"], "is sharded for 2 devices, not --tensor-parallelism-size 4",
+                 id="other-size"),
+    pytest.param(["--output-irpa", "{out}/again.irpa"], "is sharded already; drop --output-irpa", id="reshard"),
+])
+def test_cli_sharded_root_flag_errors(irpa_of, tmp_path, capsys, flags, message):
+    root = tmp_path / "tp.irpa"
+    save_sharded(Dataset.load(irpa_of("gqa-tied")), 2, root, progress=False)
+    out = tmp_path / "out"
+    if "--output-irpa" in flags:
+        flags = ["--tensor-parallelism-size", "2", *flags]
+    status = export_main(["--irpa-file", str(root), "--output-mlir", str(out / "x.mlir"),
+                          "--output-config", str(out / "x.json"), *[f.format(out=out) for f in flags]])
+    err = capsys.readouterr().err
+    assert status == 2 and len(err.strip().splitlines()) == 1 and message in err
+    assert not out.exists()
+
+
+def test_unsharded_tools_refuse_the_archives(irpa_of, tmp_path):
+    root = tmp_path / "tp.irpa"
+    save_sharded(Dataset.load(irpa_of("gqa-tied")), 2, root, progress=False)
+    with pytest.raises(SharkportError, match="is a tensor-parallel root archive \\(2 ranks\\)"):
+        build_model(Dataset.load(root))
+    with pytest.raises(SharkportError, match="is rank 1 of a tensor-parallel archive"):
+        build_model(Dataset.load(rank_path(root, 1)))
 
 
 # ---------------------------------------------------------------------------------------------
