@@ -1,8 +1,8 @@
 """Tensor parallelism (sharkport.parallel, docs/parallel.md) on tiny llamas.
 
 * eager: the sharded model (N ranks, transfers as copies) gives the unsharded recipe's logits
-  and transformers' own, for prefill and decode steps, MHA/GQA, tied/untied, with biases, N=2/4;
-  and on Q8_0 weights, split by whole blocks.
+  and transformers' own, for prefill and decode steps, MHA/GQA, tied/untied, with biases, N=2/4,
+  Mistral and Qwen2; and on Q8_0 weights, split by whole blocks.
 * archives: rank r holds exactly `<name>.shard.{r}` entries (read back with turbine's
   ParameterArchive), whose pieces reassemble the original tensors; the root holds only metadata.
 * errors: head counts that do not divide, quantized columns that do not split into whole blocks,
@@ -33,7 +33,7 @@ from sharkport.parallel import ShardedLlama, rank_path, save_sharded, shard_in_m
 from sharkport.parallel.sharding import RULES, rule
 from sharkport.quant.quantize import plan_types, requantized
 from sharkport.runtime.session import EagerSession, IreeSession
-from tiny_models import TINY_EXPORT
+from tiny_models import TINY_EXPORT, TinyRecipes
 
 STRIDE = 16
 ATOL = 1e-4
@@ -117,6 +117,20 @@ def test_eager_sharded_matches_unsharded_and_transformers(tiny, irpa_of, variant
     assert_matches_hf(tiny[variant].hf, seqs, got, LENGTHS)
     # Each device's cache holds its kv heads only: together they are the unsharded cache's size.
     assert sum(c.numel() for c in sharded._cache) == plain._cache.numel()
+
+
+@pytest.fixture(scope="module")
+def recipes(tmp_path_factory) -> TinyRecipes:
+    return TinyRecipes(tmp_path_factory.mktemp("tiny_recipes"))
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])  # sliding window; Q/K/V biases, HF rotary layout
+def test_eager_sharded_llama_family(recipes, kind):
+    plain, sharded = eager_pair(Dataset.load(recipes[kind].gguf_path), 2)
+    seqs, want = run_steps(plain, LENGTHS, BATCH_PAGES, 256)
+    _, got = run_steps(sharded, LENGTHS, BATCH_PAGES, 256)
+    assert_same_steps(got, want, LENGTHS, f"{kind} tp2 vs unsharded")
+    assert_matches_hf(recipes[kind].hf, seqs, got, LENGTHS)
 
 
 def q8_0(dataset: Dataset) -> Dataset:

@@ -14,15 +14,17 @@ a root on disk always has its rank files.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+import numpy as np
 from tqdm import tqdm
 
 from ..archive import Dataset, QuantizedTensor, Theta, Weight, entries_of
-from ..archive.irpa import ARCHIVE_VERSION, read_archive, write_archive
+from ..archive.irpa import ARCHIVE_VERSION, METADATA_KEY, read_archive, write_archive
 from ..errors import SharkportError
 from ..formats.keys import LlamaHParams
 from ..quant import PLAIN_TYPES
@@ -41,12 +43,7 @@ def rank_path(root: str | os.PathLike, rank: int) -> Path:
 def parameter_files(root: str | os.PathLike, size: int) -> tuple[list[Path], int]:
     """The rank files a module for `size` devices loads, and the vocabulary size, from the root
     archive `root` (checked to be a tensor-parallel root of `size` ranks, its rank files present)."""
-    import json
-
     import iree.runtime as rt
-    import numpy as np
-
-    from ..archive.irpa import METADATA_KEY
 
     index = rt.ParameterIndex()
     index.load(str(root), mmap=True)

@@ -36,7 +36,6 @@ class ShardedLlama(CausalLM):
         n = sharded.size
         check_shardable(hp, n, str(sharded.path))
         self.hp, self.config, self.n, self.ranks = hp, config, n, sharded.ranks
-        self.theta = sharded.ranks[0]
         self._check_tensors(sharded)
         # One device's cache: Hkv/N kv heads. Every device's cache has this geometry.
         self.cache = PagedCache(hp.block_count, hp.head_count_kv // n, hp.head_dim, config.block_seq_stride)
