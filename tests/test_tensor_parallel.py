@@ -284,7 +284,7 @@ def test_compiled_tp2_matches_unsharded_module(tiny, compiled_of, compiled_tp2):
     page_elems = 2 * 2 * (4 // 2) * STRIDE * 16  # layers, K|V, kv heads per device, stride, head dim
     assert config["paged_kv_cache"]["paged_kv_block_size_elements_per_device"] == [page_elems] * 2
     lengths, pages = (30,), [[5, 0, 2]]
-    sharded = IreeSession(*compiled_tp2, pages=PAGES)
+    sharded = IreeSession(*compiled_tp2, pages=PAGES, device="local-task,local-task")  # one URI per device
     plain = IreeSession(*compiled_of(VARIANT), pages=TINY_EXPORT.device_block_count)
     seqs, got = run_steps(sharded, lengths, pages, 256)
     _, want = run_steps(plain, lengths, pages, 256)
@@ -314,3 +314,10 @@ def test_iree_run_module_with_two_devices_reproduces_the_session(compiled_tp2, t
     got = np.load(tmp_path / "logits.npy")
     assert got.shape == (1, 2 * STRIDE, 256)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_device_list_must_name_every_device(compiled_tp2):
+    with pytest.raises(SharkportError, match="device 'local-task,local-task,local-task' names 3 devices; "
+                                             "the module runs on 2"):
+        IreeSession(*compiled_tp2, device="local-task,local-task,local-task")

@@ -78,8 +78,8 @@ class IreeSession(Session):
     """A compiled module with its parameters, on an IREE device (default `local-task`).
 
     A tensor-parallel module (config `tensor_parallelism_size` N > 1, docs/parallel.md) runs on N
-    devices of that kind: `irpa` is then the root archive, and rank r's file and cache_state go
-    to device r."""
+    devices: N of `device`'s kind, or the N comma-separated URIs it lists (`hip://0,hip://1`).
+    `irpa` is then the root archive; rank r's file and cache_state go to device r."""
 
     def __init__(self, vmfb: str | os.PathLike, irpa: str | os.PathLike, config: str | os.PathLike | ServiceConfig,
                  pages: int | None = None, device: str = "local-task"):
@@ -118,7 +118,10 @@ class IreeSession(Session):
         n = config.tensor_parallelism_size
         files, vocab = parameter_files(root, n)
         self.config = config if config.vocab_size is not None else replace(config, vocab_size=vocab)
-        devices = [rt.get_device(device, cache=False) for _ in range(n)]  # N devices, not one shared
+        uris = device.split(",") if "," in device else [device] * n
+        if len(uris) != n:
+            raise SharkportError(f"device {device!r} names {len(uris)} devices; the module runs on {n}")
+        devices = [rt.get_device(uri, cache=False) for uri in uris]  # N devices, not one shared
         instance = rt.VmInstance()
         index = rt.ParameterIndex()
         for f in files:  # every name is distinct (`.shard.{r}`), so all load into scope "model"
