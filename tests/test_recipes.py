@@ -243,3 +243,31 @@ def test_bad_hf_folder_is_one_line_error(recipes, tmp_path, capsys, case):
     assert err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err
     assert re.search(message, err), err
     assert not out.exists() and not list(tmp_path.glob(".x.irpa*"))
+
+
+# ---------------------------------------------------------------------------------------------
+# prefill_final_logits: prefill returns only each sequence's last logits
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", params(RECIPE_KINDS))
+def test_prefill_final_logits_are_the_last_rows(recipe_irpa, kind):
+    """With ModelConfig.prefill_final_logits every recipe's prefill returns [B, 1, V]: row r is
+    the full prefill's logits at seq_lens[r] - 1, and the cache it writes is the same."""
+    from sharkport.models import ModelConfig
+
+    dataset = Dataset.load(recipe_irpa(kind, "gguf"))
+    stride = TINY_EXPORT.block_seq_stride
+    full, final = (build_model(dataset, ModelConfig(block_seq_stride=stride, prefill_final_logits=f))
+                   for f in (False, True))
+    lengths = (5, 33, 17, 1)
+    tokens = torch.zeros(4, 48, dtype=torch.int64)
+    for r, p in enumerate(prompts_for(lengths, 256, seed=3)):
+        tokens[r, :len(p)] = torch.tensor(p)
+    seq_lens, pages = torch.tensor(lengths), torch.tensor([(3, 9, 0), (7, 1, 4), (2, 8, 6), (5, 11, 10)])
+    caches = [m.new_cache(12) for m in (full, final)]
+    with torch.no_grad():
+        want = full.prefill(tokens, seq_lens, pages, caches[0])
+        got = final.prefill(tokens, seq_lens, pages, caches[1])
+    assert got.shape == (4, 1, want.shape[-1])
+    torch.testing.assert_close(got[:, 0], want[torch.arange(4), seq_lens - 1], rtol=0, atol=1e-5)
+    torch.testing.assert_close(caches[1], caches[0], rtol=0, atol=0)

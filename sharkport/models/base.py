@@ -19,6 +19,9 @@ class ModelConfig:
     block_seq_stride: int = 32
     dtype: torch.dtype = torch.float32  # activations
     kv_cache_dtype: torch.dtype = torch.float32
+    # prefill returns only each sequence's last logits, [B, 1, V] (skips the output projection
+    # of every other position)
+    prefill_final_logits: bool = False
 
     def __post_init__(self):
         if self.block_seq_stride <= 0 or self.block_seq_stride % 8:
@@ -31,6 +34,7 @@ class CausalLM(torch.nn.Module):
     """A decoder-only LM with `prefill` and `decode` as in DESIGN.md §3.
 
     prefill(tokens [B, S], seq_lens [B], seq_block_ids [B, S/stride], cache_state [P, E]) → [B, S, V]
+        (→ [B, 1, V], the logits at seq_lens - 1, with `ModelConfig.prefill_final_logits`)
     decode(tokens [B, 1], seq_lens [B], start_positions [B], seq_block_ids [B, N], cache_state) → [B, 1, V]
     Both write K/V into cache_state in place and return float32 logits."""
 
@@ -59,6 +63,14 @@ class CausalLM(torch.nn.Module):
         """output.weight, or the embeddings when they are tied (GGUF files then omit output.weight)."""
         output = self.theta.get("output.weight")
         return output if output is not None else self.theta["token_embd.weight"]
+
+    def _prefill_rows(self, h: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """The hidden states [B, S, E] whose logits prefill returns: all of them, or with
+        `prefill_final_logits` each sequence's last one, [B, 1, E]."""
+        if not self.config.prefill_final_logits:
+            return h
+        last = (seq_lens - 1).view(-1, 1, 1).expand(-1, 1, h.shape[-1])
+        return torch.gather(h, 1, last)
 
     def new_cache(self, pages: int) -> torch.Tensor:
         return torch.zeros(pages, self.cache.page_elems, dtype=self.config.kv_cache_dtype)

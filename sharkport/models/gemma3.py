@@ -85,7 +85,7 @@ class Gemma3(CausalLM):
         for i in range(self.hp.block_count):
             rope = ropes[self.sliding[i]]
             h = self._block(i, h, lambda attn, x: attn.prefill(x, rope, cache_state, seq_block_ids))
-        return self._logits(h)
+        return self._logits(self._prefill_rows(h, seq_lens))
 
     def decode(self, tokens, seq_lens, start_positions, seq_block_ids, cache_state):
         ropes = self._ropes(start_positions.unsqueeze(1))

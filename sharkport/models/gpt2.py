@@ -52,7 +52,7 @@ class GPT2(CausalLM):
         h = self._embed(tokens, torch.arange(S, device=tokens.device).unsqueeze(0).expand(B, S))
         for i in range(self.hp.block_count):
             h = self._block(i, h, lambda attn, x: attn.prefill(x, None, cache_state, seq_block_ids))
-        return self._logits(h)
+        return self._logits(self._prefill_rows(h, seq_lens))
 
     def decode(self, tokens, seq_lens, start_positions, seq_block_ids, cache_state):
         h = self._embed(tokens, start_positions.unsqueeze(1))

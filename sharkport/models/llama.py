@@ -66,7 +66,7 @@ class Llama(CausalLM):
         h = embedding(tokens, self.theta["token_embd.weight"], self.config.dtype)
         for i in range(self.hp.block_count):
             h = self._block(i, h, lambda attn, x: attn.prefill(x, rope, cache_state, seq_block_ids))
-        return self._logits(h)
+        return self._logits(self._prefill_rows(h, seq_lens))
 
     def decode(self, tokens, seq_lens, start_positions, seq_block_ids, cache_state):
         rope = self._rope(start_positions.unsqueeze(1))
