@@ -25,14 +25,16 @@ works too).
 from __future__ import annotations
 
 import codecs
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from sharkport.errors import SharkportError
 
 __all__ = ["Tokenizer", "StreamDecoder", "tokenizer_metadata", "tokenizer_metadata_from_hf",
-           "KNOWN_PRE_TOKENIZERS"]
+           "write_hf_tokenizer", "KNOWN_PRE_TOKENIZERS"]
 
 # llama.cpp's token types (the same numbering as SentencePiece's piece types).
 TOKEN_NORMAL = 1
@@ -320,6 +322,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_BYTE_OF = {c: b for b, c in _bytes_to_unicode().items()}  # byte-level character -> byte
 
 
 # ---------------------------------------------------------------------------------------------
@@ -732,6 +735,106 @@ class Tokenizer:
             return self._hf.decode([token_id], skip_special_tokens=False)
         return self._piece_bytes[token_id].decode("utf-8", errors="replace")
 
+    # -- Hugging Face tokenizer files -----------------------------------------------------------
+
+    def to_hf_files(self) -> dict[str, Any]:
+        """This tokenizer as Hugging Face files: {"tokenizer.json": text, "tokenizer_config.json":
+        object}, which `tokenizers.Tokenizer.from_file`, transformers' AutoTokenizer and
+        shortfin's LLM server load, and which encode (special tokens in the text too, BOS/EOS by
+        the post-processor) and decode (`skip_special_tokens` drops control tokens) as this
+        tokenizer does. A "huggingface" vocabulary gives its stored tokenizer.json back.
+
+        Raises SharkportError for a SentencePiece ("llama") vocabulary, and for a "gpt2" one whose
+        tokens the byte-level decoder cannot reproduce (byte `<0xNN>` or unused tokens)."""
+        if self._hf is not None:
+            tk = self._hf
+        elif self._bpe is not None:
+            tk = self._bpe_hf_tokenizer()
+        else:
+            raise SharkportError(
+                "writing tokenizer.json for a SentencePiece (tokenizer.ggml.model 'llama') vocabulary "
+                "is not supported yet; only byte-level BPE ('gpt2') and tokenizer.huggingface.json are"
+            )
+
+        def text(token_id: int | None) -> str | None:
+            return None if token_id is None else tk.id_to_token(token_id)
+
+        config: dict[str, Any] = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": text(self.bos_id), "eos_token": text(self.eos_id),
+            "unk_token": text(self.unk_id), "pad_token": text(self.pad_id),
+            "add_bos_token": self.add_bos, "add_eos_token": self.add_eos,
+            # llama.cpp's space clean-up, where the vocabulary has it, is in the decoder already
+            "clean_up_tokenization_spaces": False,
+        }
+        if self.chat_template:
+            config["chat_template"] = self.chat_template
+        return {"tokenizer.json": tk.to_str(), "tokenizer_config.json": config}
+
+    def _bpe_hf_tokenizer(self):
+        """The byte-level BPE as one `tokenizers.Tokenizer`: sharkport's BPE model and
+        pre-tokenizer, the literal tokens as added tokens (control/unknown ones special), a
+        ByteLevel decoder (+ llama.cpp's space clean-up) and BOS/EOS in a post-processor."""
+        from tokenizers import AddedToken, decoders, processors
+        from tokenizers import Tokenizer as HFTokenizer
+
+        tk = HFTokenizer.from_str(self._bpe.to_str())  # a copy: sharkport's own stays as it is
+        mismatched = [i for i in range(self.vocab_size) if _byte_level_bytes(tk.id_to_token(i)) != self._piece_bytes[i]]
+        if mismatched:
+            i = mismatched[0]
+            raise SharkportError(
+                f"{len(mismatched)} tokens of this byte-level vocabulary (e.g. id {i}, "
+                f"{tk.id_to_token(i)!r}) are byte or unused tokens that tokenizer.json's ByteLevel "
+                "decoder would decode differently; writing tokenizer.json is not supported for it"
+            )
+        for content, token_id in sorted(self._specials, key=lambda s: s[1]):
+            added = AddedToken(content, special=self._is_special[token_id], normalized=False)
+            (tk.add_special_tokens if self._is_special[token_id] else tk.add_tokens)([added])
+        steps = [decoders.ByteLevel()]
+        if self._clean_spaces:  # _clean_spaces's rules as plain replacements, in its order
+            steps += [decoders.Replace(a, b) for a, b in _CLEAN_REPLACEMENTS]
+        tk.decoder = decoders.Sequence(steps) if len(steps) > 1 else steps[0]
+        if self.add_bos or self.add_eos:
+            ends = [(self.bos_id, self.add_bos), (self.eos_id, self.add_eos)]
+            bos, eos = (tk.id_to_token(i) for i, _ in ends)
+
+            def template(seq: str, type_id: int) -> str:
+                return " ".join(([f"{bos}:{type_id}"] if self.add_bos else []) + [f"${seq}:{type_id}"]
+                                + ([f"{eos}:{type_id}"] if self.add_eos else []))
+
+            tk.post_processor = processors.TemplateProcessing(
+                single=template("A", 0), pair=f"{template('A', 0)} {template('B', 1)}",
+                special_tokens=list(dict.fromkeys((tk.id_to_token(i), i) for i, on in ends if on)))
+        return tk
+
+
+def _byte_level_bytes(token: str | None) -> bytes:
+    """What `tokenizers`' ByteLevel decoder makes of one token: its characters mapped back to
+    bytes, or its raw UTF-8 when a character is outside the byte alphabet."""
+    if token is None:
+        return b""
+    if all(c in _BYTE_OF for c in token):
+        return bytes(_BYTE_OF[c] for c in token)
+    return token.encode("utf-8")
+
+
+def write_hf_tokenizer(tokenizer: Tokenizer, directory: str | os.PathLike) -> list[Path]:
+    """Writes `tokenizer.json` and `tokenizer_config.json` (see `Tokenizer.to_hf_files`) into
+    `directory` (created if needed), each atomically; returns their paths."""
+    import json
+
+    from .fileio import atomic_output
+
+    files = tokenizer.to_hf_files()
+    paths = []
+    for name, content in files.items():
+        path = Path(directory) / name
+        text = content if isinstance(content, str) else json.dumps(content, indent=2, ensure_ascii=False) + "\n"
+        with atomic_output(path) as tmp:
+            tmp.write_text(text, encoding="utf-8")
+        paths.append(path)
+    return paths
+
 
 class StreamDecoder:
     """Incremental detokenizer: `add(id)` returns the text completed by that token (possibly
@@ -796,6 +899,12 @@ def _clean_spaces(text: str) -> str:
     text = _CLEAN_PUNCT.sub("", text)
     text = _CLEAN_QUOTE.sub("'", text)
     return _CLEAN_CONTRACTION.sub("", text)
+
+
+# The same clean-up as plain replacements (a tokenizer.json decoder has no look-ahead): each rule
+# removes the space in front of the text it matched, so sequential replacing gives the same text.
+_CLEAN_REPLACEMENTS = tuple((f" {p}", p) for p in ("?", "!", ".", ",")) + ((" ' ", "'"),) + tuple(
+    (f" '{c}", f"'{c}") for c in ("s", "m", "re", "ve"))
 
 
 def _clean_cut(text: str) -> int:

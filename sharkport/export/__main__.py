@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-mlir", type=Path, required=True, help="where to write the MLIR")
     parser.add_argument("--output-config", type=Path, required=True, help="where to write the service config JSON")
     parser.add_argument("--output-vmfb", type=Path, help="also compile the MLIR to this .vmfb")
+    parser.add_argument("--output-tokenizer-dir", type=Path, metavar="DIR",
+                        help="also write the model's tokenizer.json and tokenizer_config.json here "
+                             "(what shortfin's LLM server reads; see docs/serving.md)")
     parser.add_argument("--bs-prefill", type=batch_sizes, default=(1, 4), metavar="1,4",
                         help="prefill batch sizes (default 1,4)")
     parser.add_argument("--bs-decode", type=batch_sizes, default=(1, 4), metavar="1,4",
@@ -69,6 +72,11 @@ def main(argv: list[str] | None = None) -> int:
 
     dataset = load_dataset(args)
     sharded = open_or_shard(dataset, args.tensor_parallelism_size, args.output_irpa, _log)  # None: unsharded
+    if args.output_tokenizer_dir:  # first: it is quick and fails before the slow export does
+        from ..tokenizer import write_hf_tokenizer
+
+        written = write_hf_tokenizer(dataset.tokenizer(), args.output_tokenizer_dir)
+        _log(f"wrote {' and '.join(str(p) for p in written)}")
     stride = args.block_seq_stride
     max_seq_len = args.max_seq_len
     if max_seq_len is None:

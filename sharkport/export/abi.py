@@ -78,7 +78,11 @@ def example_args(config: ExportConfig, kind: str, batch: int, page_elems: int, c
 
 @dataclass(frozen=True)
 class ServiceConfig:
-    """The JSON a serving engine (and sharkport's runner) reads beside the module."""
+    """The JSON a serving engine (and sharkport's runner) reads beside the module.
+
+    `to_json` writes only fields shortfin's LLM server knows (it rejects any other top-level
+    field), so `vocab_size` is not written: a config read back has None there and IreeSession
+    takes it from the parameter archive (the rows of token_embd.weight)."""
 
     max_seq_len: int
     attn_head_dim: int
@@ -90,7 +94,7 @@ class ServiceConfig:
     device_block_count: int
     kv_cache_dtype: str
     page_elems: int  # of one device's cache_state
-    vocab_size: int
+    vocab_size: int | None = None
     module_name: str = MODULE_NAME
     module_abi_version: int = ABI_VERSION
     logits_normalization: str = "none"
@@ -112,7 +116,6 @@ class ServiceConfig:
             "logits_normalization": self.logits_normalization,
             "top_k": self.top_k,
             "has_prefill_position": self.has_prefill_position,
-            "vocab_size": self.vocab_size,
             "paged_kv_cache": {
                 "attention_head_count_kv": self.attention_head_count_kv,
                 "block_seq_stride": self.block_seq_stride,
@@ -137,7 +140,7 @@ class ServiceConfig:
                 kv_cache_dtype=kv["kv_cache_dtype"],
                 page_elems=kv["paged_kv_block_size_elements_per_device"][0],
                 tensor_parallelism_size=len(kv["paged_kv_block_size_elements_per_device"]),
-                vocab_size=d["vocab_size"],
+                vocab_size=d.get("vocab_size"),  # configs written before shortfin interop have it
                 module_name=d.get("module_name", MODULE_NAME),
                 module_abi_version=d.get("module_abi_version", ABI_VERSION),
                 logits_normalization=d.get("logits_normalization", "none"),

@@ -74,6 +74,20 @@ class Session:
         raise NotImplementedError
 
 
+def _embedding_rows(index, irpa) -> int:
+    """The vocabulary size of an archive: the rows of token_embd.weight in its metadata entry."""
+    from ..archive.irpa import METADATA_KEY
+
+    entries = dict(index.items())
+    try:
+        meta = json.loads(bytes(np.asarray(entries[METADATA_KEY].file_view)))
+        return int(meta["tensors"]["token_embd.weight"]["shape"][0])
+    except (KeyError, IndexError, TypeError, ValueError):
+        raise SharkportError(
+            f"{irpa}: no token_embd.weight in the archive metadata, so the vocabulary size is "
+            "unknown; re-import the model with `python -m sharkport.tools.dump_gguf --save`") from None
+
+
 class IreeSession(Session):
     """A compiled module with its parameters, on an IREE device (default `local-task`).
 
@@ -93,7 +107,6 @@ class IreeSession(Session):
             if not path.is_file():
                 raise SharkportError(f"{path}: no such file; pass the JSON written by --output-config")
             config = ServiceConfig.from_json(json.loads(path.read_text()), str(path))
-        self.config = config
         self.pages = pages or config.device_block_count
         if config.tensor_parallelism_size > 1:
             self._load_on_devices(rt, vmfb, irpa, config, device)
@@ -102,6 +115,9 @@ class IreeSession(Session):
         instance = self._rt_config.vm_instance
         index = rt.ParameterIndex()
         index.load(str(irpa), mmap=True)
+        if config.vocab_size is None:  # not in the JSON (shortfin's config has no such field)
+            config = replace(config, vocab_size=_embedding_rows(index, irpa))
+        self.config = config
         params = rt.create_io_parameters_module(instance, index.create_provider(scope="model"))
         hal = rt.create_hal_module(instance, self._rt_config.device)
         main = rt.VmModule.mmap(instance, str(vmfb))
@@ -179,6 +195,8 @@ class EagerSession(Session):
     """The PyTorch recipe run directly: the reference for the compiled module."""
 
     def __init__(self, model, config: ServiceConfig, pages: int | None = None):
+        if config.vocab_size is None:  # a config read from JSON
+            config = replace(config, vocab_size=model.vocab_size)
         self.model, self.config = model, config
         self.pages = pages or config.device_block_count
         self._cache = model.new_cache(self.pages)
