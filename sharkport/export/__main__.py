@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
                              "weights go to x.rank{r}.irpa beside it")
     parser.add_argument("--activation-dtype", choices=DTYPE_NAMES, default="float32")
     parser.add_argument("--kv-cache-dtype", choices=["float32", "float16"], default="float32")
+    parser.add_argument("--prefill-final-logits", action="store_true",
+                        help="prefill returns only each sequence's last logits [N, 1, V] (faster; "
+                             "sharkport's runner handles it, shortfin 3.9 does not)")
     parser.add_argument("--target", choices=list(TARGETS), default="llvm-cpu",
                         help="compile target preset for --output-vmfb (default llvm-cpu on the host CPU)")
     add_verbose(parser)
@@ -84,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     config = ExportConfig(bs_prefill=args.bs_prefill, bs_decode=args.bs_decode, block_seq_stride=stride,
                           device_block_count=args.device_block_count, max_seq_len=max_seq_len)
     model_config = ModelConfig(block_seq_stride=stride, dtype=getattr(torch, args.activation_dtype),
-                               kv_cache_dtype=getattr(torch, args.kv_cache_dtype))
+                               kv_cache_dtype=getattr(torch, args.kv_cache_dtype),
+                               prefill_final_logits=args.prefill_final_logits)
     t0 = time.perf_counter()
     _log(f"exporting {dataset.path.name}: prefill {list(config.bs_prefill)}, decode {list(config.bs_decode)}")
     if sharded is None:

@@ -78,8 +78,10 @@ class ShardedLlama(CausalLM):
     def _norm(self, r: int, h: torch.Tensor, name: str) -> torch.Tensor:
         return rms_norm(h, self.ranks[r][name], self.hp.rms_eps)
 
-    def _forward(self, tokens: list[torch.Tensor], ropes: list, attend) -> torch.Tensor:
-        """The layers over replicated inputs; attend(rank, attention layer, x, rope) → partial sum."""
+    def _forward(self, tokens: list[torch.Tensor], ropes: list, attend,
+                 seq_lens: torch.Tensor | None = None) -> torch.Tensor:
+        """The layers over replicated inputs; attend(rank, attention layer, x, rope) → partial sum.
+        With `seq_lens` (prefill), the logits of the rows `_prefill_rows` keeps."""
         n = self.n
         h = all_reduce([self._embed(r, tokens[r]) for r in range(n)])
         for i in range(self.hp.block_count):
@@ -89,6 +91,8 @@ class ShardedLlama(CausalLM):
             h = [a + b for a, b in zip(h, all_reduce(parts))]
             parts = [self.ffn[r][i](self._norm(r, h[r], blk + "ffn_norm.weight")) for r in range(n)]
             h = [a + b for a, b in zip(h, all_reduce(parts))]
+        if seq_lens is not None and self.config.prefill_final_logits:
+            h = [self._prefill_rows(x, lens) for x, lens in zip(h, replicate(seq_lens, n))]
         logits = [linear(self._norm(r, h[r], "output_norm.weight"), self.outputs[r]).to(torch.float32)
                   for r in range(n)]
         return gather(logits, dim=-1)
@@ -101,7 +105,7 @@ class ShardedLlama(CausalLM):
         ropes = list(zip(replicate(cos, self.n), replicate(sin, self.n)))
         ids = replicate(seq_block_ids, self.n)
         return self._forward(replicate(tokens, self.n), ropes, lambda r, attn, x, rope: attn.prefill(
-            x, rope, cache_state[r], ids[r]))
+            x, rope, cache_state[r], ids[r]), seq_lens)
 
     def decode(self, tokens, seq_lens, start_positions, seq_block_ids, cache_state):
         cos, sin = self._rope(start_positions.unsqueeze(1))

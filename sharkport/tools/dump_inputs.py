@@ -43,7 +43,7 @@ def dump_inputs(session, prompt_ids: list[int], output_dir: str | Path, vmfb: st
                 irpa: str | Path, device: str = "local-task") -> list[DumpedCall]:
     """Runs the prompt's prefill and first greedy decode step on `session` (an IreeSession or
     EagerSession with a fresh cache), as the runner would, and writes every input and output."""
-    from ..runtime.generate import PageAllocator, _pick
+    from ..runtime.generate import PageAllocator, _pick, next_token_logits
 
     config = session.config
     stride = config.block_seq_stride
@@ -73,7 +73,7 @@ def dump_inputs(session, prompt_ids: list[int], output_dir: str | Path, vmfb: st
     inputs = {"tokens": tokens, "seq_lens": lens, "seq_block_ids": ids, "cache_state": cache}
     calls.append(_write_call(out / "prefill", f"prefill_bs{bs}", inputs, logits, vmfb, irpa, device))
 
-    next_token = int(np.argmax(logits[0, n - 1]))
+    next_token = int(np.argmax(next_token_logits(config, logits, 0, n)))
     bs = _pick(config.decode_batch_sizes, 1, "decode")
     blocks = n // stride + 1
     tokens = np.zeros((bs, 1), np.int64)

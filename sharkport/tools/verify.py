@@ -42,11 +42,14 @@ class Comparison:
 def teacher_forced_logits(session, ids: list[int], prompt_len: int) -> np.ndarray:
     """Logits [len(ids) - 1, V] predicting positions 1.. of `ids`: a prefill over the first
     `prompt_len` ids, then a decode step for each later id but the last, at batch size 1 (or the
-    smallest exported, padded with rows on a scratch page). The session's cache needs
-    ceil(len(ids) / stride) + 1 pages."""
+    smallest exported, padded with rows on a scratch page). A module exported with
+    --prefill-final-logits prefills one id and decodes the rest, so every position is still
+    checked. The session's cache needs ceil(len(ids) / stride) + 1 pages."""
     from ..runtime.generate import _pick
 
     c = session.config
+    if c.prefill_final_logits:
+        prompt_len = 1
     stride = c.block_seq_stride
     scratch, pages = 0, list(range(1, math.ceil(len(ids) / stride) + 1))
     if pages[-1] >= session.pages:
