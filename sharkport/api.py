@@ -56,7 +56,7 @@ class TextGenerator:
     # -- construction -------------------------------------------------------------------------
     @classmethod
     def from_files(cls, vmfb: str | os.PathLike, irpa: str | os.PathLike, config: str | os.PathLike,
-                   pages: int | None = None, device: str = "local-task") -> "TextGenerator":
+                   pages: int | None = None, device: str | None = None) -> "TextGenerator":
         """A compiled module, its parameter archive and the service config JSON beside it."""
         from .archive import Dataset
         from .runtime.session import IreeSession
@@ -67,7 +67,7 @@ class TextGenerator:
     @classmethod
     def from_gguf(cls, path: str | os.PathLike, cache_dir: str | os.PathLike | None = None,
                   export=None, target: str = "llvm-cpu", pages: int | None = None,
-                  device: str = "local-task", log=None) -> "TextGenerator":
+                  device: str | None = None, log=None) -> "TextGenerator":
         """A GGUF (or .irpa) imported, exported and compiled on first use; the artifacts are kept
         in `cache_dir` (default $SHARKPORT_CACHE or ~/.cache/sharkport) under a key of the file's
         path, size and mtime and the export settings, and reused by later calls.

@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     params.add_argument("--irpa-file", type=Path, help="the parameter archive the module was exported from")
     add_hf_dataset(params)
     parser.add_argument("--config", type=Path, required=True, help="the JSON written by --output-config")
-    parser.add_argument("--device", default="local-task", help="IREE device (default local-task)")
+    parser.add_argument("--device", help="IREE device (default local-task; for a tensor-parallel module N "
+                                          "local-sync devices, or give N comma-separated URIs: docs/parallel.md)")
     parser.add_argument("--pages", type=int, help="KV cache pages to allocate (default: the config's device_block_count)")
     add_generation_args(parser)
     add_verbose(parser)

@@ -8,8 +8,9 @@
 * errors: head counts that do not divide, quantized columns that do not split into whole blocks,
   the export CLI's flag checks (one line, nothing written), and unsharded tools given the archives.
 * compiled (slow): `python -m sharkport.export --tensor-parallelism-size 2 ... --output-vmfb`
-  run on 2 local-task devices gives the unsharded module's logits (and transformers'), and
-  `iree-run-module` with two --device and two --parameters flags reproduces them.
+  run on 2 local-task devices, and on 2 local-sync devices (the runner's default for N devices),
+  gives the unsharded module's logits (and transformers'), and `iree-run-module` with two
+  --device=local-task and two --parameters flags reproduces them.
 """
 
 from __future__ import annotations
@@ -277,14 +278,19 @@ def compiled_tp2(irpa_of, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_compiled_tp2_matches_unsharded_module(tiny, compiled_of, compiled_tp2):
+@pytest.mark.parametrize("device", [
+    pytest.param("local-task,local-task", id="local-task"),  # one URI per device
+    pytest.param(None, id="default-local-sync"),             # the runner's default for N devices
+])
+def test_compiled_tp2_matches_unsharded_module(tiny, compiled_of, compiled_tp2, device):
     import json
 
     config = json.loads(compiled_tp2[2].read_text())
     page_elems = 2 * 2 * (4 // 2) * STRIDE * 16  # layers, K|V, kv heads per device, stride, head dim
     assert config["paged_kv_cache"]["paged_kv_block_size_elements_per_device"] == [page_elems] * 2
     lengths, pages = (30,), [[5, 0, 2]]
-    sharded = IreeSession(*compiled_tp2, pages=PAGES, device="local-task,local-task")  # one URI per device
+    sharded = IreeSession(*compiled_tp2, pages=PAGES, device=device)
+    assert sharded._device_name == (device or "local-sync")
     plain = IreeSession(*compiled_of(VARIANT), pages=TINY_EXPORT.device_block_count)
     seqs, got = run_steps(sharded, lengths, pages, 256)
     _, want = run_steps(plain, lengths, pages, 256)

@@ -92,11 +92,13 @@ class IreeSession(Session):
     """A compiled module with its parameters, on an IREE device (default `local-task`).
 
     A tensor-parallel module (config `tensor_parallelism_size` N > 1, docs/parallel.md) runs on N
-    devices: N of `device`'s kind, or the N comma-separated URIs it lists (`hip://0,hip://1`).
-    `irpa` is then the root archive; rank r's file and cache_state go to device r."""
+    devices: N of `device`'s kind (default `local-sync`: IREE 3.9's local-task fails deep
+    N-device calls, see _MULTI_DEVICE_LOCAL_TASK), or the N comma-separated URIs it lists
+    (`hip://0,hip://1`). `irpa` is then the root archive; rank r's file and cache_state go to
+    device r."""
 
     def __init__(self, vmfb: str | os.PathLike, irpa: str | os.PathLike, config: str | os.PathLike | ServiceConfig,
-                 pages: int | None = None, device: str = "local-task"):
+                 pages: int | None = None, device: str | None = None):
         import iree.runtime as rt
 
         for p in (vmfb, irpa):
@@ -108,10 +110,11 @@ class IreeSession(Session):
                 raise SharkportError(f"{path}: no such file; pass the JSON written by --output-config")
             config = ServiceConfig.from_json(json.loads(path.read_text()), str(path))
         self.pages = pages or config.device_block_count
+        self._device_name = device or ("local-sync" if config.tensor_parallelism_size > 1 else "local-task")
         if config.tensor_parallelism_size > 1:
-            self._load_on_devices(rt, vmfb, irpa, config, device)
+            self._load_on_devices(rt, vmfb, irpa, config, self._device_name)
             return
-        self._rt_config = rt.Config(device)
+        self._rt_config = rt.Config(self._device_name)
         instance = self._rt_config.vm_instance
         index = rt.ParameterIndex()
         index.load(str(irpa), mmap=True)
@@ -154,7 +157,12 @@ class IreeSession(Session):
             fn = self._module[name]
         except (KeyError, AttributeError):
             raise SharkportError(f"the module has no function {name}") from None
-        result = fn(*args, *self._caches)
+        try:
+            result = fn(*args, *self._caches)
+        except RuntimeError as e:
+            if len(self._caches) > 1 and "local-task" in self._device_name and "ABORTED" in str(e):
+                raise SharkportError(_MULTI_DEVICE_LOCAL_TASK.format(n=len(self._caches), error=_one_line(e))) from e
+            raise
         # to_host() is a view that does not keep the device buffer alive: copy it.
         return np.array(result.to_host(), copy=True)
 
@@ -175,6 +183,22 @@ class IreeSession(Session):
     def caches_to_host(self) -> list[np.ndarray]:
         """Each device's cache_state, in device order."""
         return [np.array(c.to_host(), copy=True) for c in self._caches]
+
+
+# Seen with IREE 3.9 (iree-run-module --task_abort_on_failure=true names the root cause,
+# "wait_handle_poll.c:188: RESOURCE_EXHAUSTED; wait set capacity reached"): the host queues a whole
+# call at once, each cross-device dependency is a system wait in the task executor's poller, and
+# the poller holds about 63, so deep tensor-parallel models fail on local-task (some runs crash
+# the process instead). local-sync devices run every queued operation inline, with no waits.
+_MULTI_DEVICE_LOCAL_TASK = (
+    "{error} -- on {n} local-task devices this is IREE 3.9's task executor running out of pending "
+    "cross-device waits (about 63; deep models need more): run on local-sync devices instead "
+    "(--device local-sync, or device='local-sync'); see docs/parallel.md")
+
+
+def _one_line(e: BaseException) -> str:
+    """IREE's error without its VM stack: 'Error invoking function: ABORTED; while invoking ...'."""
+    return " ".join(str(e).split("; while calling import")[0].split())
 
 
 class _Functions:
