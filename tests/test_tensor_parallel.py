@@ -10,7 +10,8 @@
 * compiled (slow): `python -m sharkport.export --tensor-parallelism-size 2 ... --output-vmfb`
   run on 2 local-task devices, and on 2 local-sync devices (the runner's default for N devices),
   gives the unsharded module's logits (and transformers'), and `iree-run-module` with two
-  --device=local-task and two --parameters flags reproduces them.
+  --device=local-task and two --parameters flags reproduces them; (extended) a 30-layer model,
+  too deep for IREE 3.9's local-task devices, matches transformers on local-sync devices.
 """
 
 from __future__ import annotations
@@ -327,3 +328,29 @@ def test_device_list_must_name_every_device(compiled_tp2):
     with pytest.raises(SharkportError, match="device 'local-task,local-task,local-task' names 3 devices; "
                                              "the module runs on 2"):
         IreeSession(*compiled_tp2, device="local-task,local-task,local-task")
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # about 3 minutes: tracing and compiling 30 layers
+def test_deep_model_runs_on_local_sync_devices(tmp_path):
+    """30 layers over 2 devices: past what IREE 3.9's local-task devices hold (docs/parallel.md),
+    so the runner's default local-sync devices must carry it, with transformers' logits."""
+    from dataclasses import replace
+
+    from sharkport.archive import import_gguf
+    from sharkport.compile import compile_mlir
+    from sharkport.export import save_export
+    from sharkport.parallel.export import export_sharded
+    from tiny_models import VARIANTS, make_tiny_llama
+
+    model = make_tiny_llama(replace(VARIANTS["mha-untied"], layers=30), tmp_path / "deep")
+    import_gguf(model.gguf_path, tmp_path / "deep.irpa", progress=False)
+    sharded = save_sharded(Dataset.load(tmp_path / "deep.irpa"), 2, tmp_path / "tp.irpa", progress=False)
+    output, service = export_sharded(sharded, ExportConfig(bs_prefill=(1,), bs_decode=(1,), block_seq_stride=STRIDE,
+                                                           device_block_count=PAGES, max_seq_len=64),
+                                     ModelConfig(block_seq_stride=STRIDE))
+    save_export(output, service, tmp_path / "tp.mlir", tmp_path / "tp.json")
+    compile_mlir(tmp_path / "tp.mlir", tmp_path / "tp.vmfb", devices=2)
+    session = IreeSession(tmp_path / "tp.vmfb", tmp_path / "tp.irpa", tmp_path / "tp.json", pages=PAGES)
+    seqs, got = run_steps(session, (30,), [[5, 0, 2]], 256)
+    assert_matches_hf(model.hf, seqs, got, (30,))
