@@ -30,6 +30,8 @@ _BLOCK_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn
 
 
 class ShardedLlama(CausalLM):
+    """The llama recipe over the ranks of a ShardedDataset (see the module docstring)."""
+
     def __init__(self, sharded: ShardedDataset, config: ModelConfig):
         super().__init__()
         hp = LlamaHParams.from_metadata(sharded.hparams)
