@@ -24,8 +24,26 @@ __all__ = ["Dataset", "QuantizedTensor", "Theta", "Weight", "entries_of", "impor
            "save_dataset", "gguf_archive_metadata", "hf_archive_metadata"]
 
 
+class ArchiveMetadata:
+    """Readers of the archive metadata shared by a Dataset and a tensor-parallel ShardedDataset."""
+
+    metadata: dict[str, Any]
+
+    @property
+    def hparams(self) -> dict[str, Any]:
+        return self.metadata["hparams"]
+
+    @property
+    def architecture(self) -> str:
+        return self.hparams.get("general.architecture", "")
+
+    @property
+    def rope_layout(self) -> str:
+        return self.metadata.get("rope_layout", "interleaved")
+
+
 @dataclass
-class Dataset:
+class Dataset(ArchiveMetadata):
     """Everything needed to build, export and tokenize a model.
 
     `metadata` has `hparams` (GGUF keys such as `llama.block_count`), `tokenizer`
@@ -51,18 +69,6 @@ class Dataset:
             return cls(path, gguf_archive_metadata(gg), Theta(_gguf_weights(gg)), gg)
         metadata, weights, archive = read_archive(path)
         return cls(path, metadata, Theta(weights), archive)
-
-    @property
-    def hparams(self) -> dict[str, Any]:
-        return self.metadata["hparams"]
-
-    @property
-    def architecture(self) -> str:
-        return self.hparams.get("general.architecture", "")
-
-    @property
-    def rope_layout(self) -> str:
-        return self.metadata.get("rope_layout", "interleaved")
 
     def tokenizer(self):
         """The model's tokenizer (raises SharkportError when the archive carries none)."""

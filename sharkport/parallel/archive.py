@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import numpy as np
 from tqdm import tqdm
 
-from ..archive import Dataset, QuantizedTensor, Theta, Weight, entries_of
+from ..archive import ArchiveMetadata, Dataset, QuantizedTensor, Theta, Weight, entries_of
 from ..archive.irpa import ARCHIVE_VERSION, METADATA_KEY, read_archive, write_archive
 from ..errors import SharkportError
 from ..formats.keys import LlamaHParams
@@ -67,7 +67,7 @@ def is_sharded(metadata: dict[str, Any]) -> bool:
 
 
 @dataclass
-class ShardedDataset:
+class ShardedDataset(ArchiveMetadata):
     """A model split over `size` ranks: the root's metadata and each rank's weights under their
     GGUF names (`ranks[r]["blk.0.attn_q.weight"]` is rank r's rows of that matrix)."""
 
@@ -79,18 +79,6 @@ class ShardedDataset:
     @property
     def size(self) -> int:
         return len(self.ranks)
-
-    @property
-    def hparams(self) -> dict[str, Any]:
-        return self.metadata["hparams"]
-
-    @property
-    def architecture(self) -> str:
-        return self.hparams.get("general.architecture", "")
-
-    @property
-    def rope_layout(self) -> str:
-        return self.metadata.get("rope_layout", "interleaved")
 
     @classmethod
     def load(cls, root: str | os.PathLike) -> "ShardedDataset":
