@@ -41,11 +41,10 @@ def final_module(irpa_of, tmp_path_factory):
     return out / "model.vmfb", irpa, out / "model.json"
 
 
-def test_config_says_final_logits_only_when_set(final_module, compiled_of):
-    """The key is written only for such modules: shortfin rejects a config with a field it does
-    not know, which is right for a module whose prefill it would misread."""
-    assert json.loads(final_module[2].read_text())["prefill_final_logits"] is True
-    assert "prefill_final_logits" not in json.loads(compiled_of(VARIANT)[2].read_text())
+def test_service_config_is_unchanged(final_module, compiled_of):
+    """Readers tell the two kinds apart by the logits' shape, as shortfin does, so the config
+    (which shortfin parses strictly) is the same as the full-logits module's."""
+    assert json.loads(final_module[2].read_text()) == json.loads(compiled_of(VARIANT)[2].read_text())
 
 
 def test_prefill_returns_the_last_rows_and_the_same_cache(final_module, compiled_of):

@@ -103,11 +103,9 @@ class ServiceConfig:
     # Devices the module runs on (one cache_state argument each); written as the length of
     # paged_kv_block_size_elements_per_device. See docs/parallel.md.
     tensor_parallelism_size: int = 1
-    # prefill returns [N, 1, V], the logits at seq_lens - 1 (export --prefill-final-logits)
-    prefill_final_logits: bool = False
 
     def to_json(self) -> dict:
-        config = {
+        return {
             "module_name": self.module_name,
             "module_abi_version": self.module_abi_version,
             "max_seq_len": self.max_seq_len,
@@ -126,11 +124,6 @@ class ServiceConfig:
                 "paged_kv_block_size_elements_per_device": [self.page_elems] * self.tensor_parallelism_size,
             },
         }
-        if self.prefill_final_logits:
-            # Written only when set: shortfin 3.9 reads prefill logits at every position and
-            # rejects configs with fields it does not know, so it refuses such a module clearly.
-            config["prefill_final_logits"] = True
-        return config
 
     @classmethod
     def from_json(cls, d: dict, source: str = "config") -> "ServiceConfig":
@@ -152,7 +145,6 @@ class ServiceConfig:
                 module_abi_version=d.get("module_abi_version", ABI_VERSION),
                 logits_normalization=d.get("logits_normalization", "none"),
                 top_k=d.get("top_k"), has_prefill_position=d.get("has_prefill_position", False),
-                prefill_final_logits=d.get("prefill_final_logits", False),
             )
         except (KeyError, IndexError, TypeError) as e:
             raise SharkportError(

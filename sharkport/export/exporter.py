@@ -45,7 +45,6 @@ def service_config(model: CausalLM, config: ExportConfig) -> ServiceConfig:
         kv_cache_dtype=dtype_name(model.config.kv_cache_dtype),
         page_elems=cache.page_elems,
         vocab_size=model.vocab_size,
-        prefill_final_logits=model.config.prefill_final_logits,
     )
 
 

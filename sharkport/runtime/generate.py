@@ -148,10 +148,12 @@ def _pick(sizes: list[int], n: int, what: str) -> int:
     return fitting[0] if fitting else max(sizes)
 
 
-def next_token_logits(config, logits: np.ndarray, row: int, length: int) -> np.ndarray:
-    """The logits prefill returned for the token after a prompt of `length` in `row`: at position
-    length - 1, or the only one a module exported with --prefill-final-logits returns."""
-    return logits[row, 0 if config.prefill_final_logits else length - 1]
+def next_token_logits(logits: np.ndarray, row: int, length: int) -> np.ndarray:
+    """The prefill logits [N, S, V] for the token after a prompt of `length` in `row`: at position
+    length - 1, or the only position a module exported with --prefill-final-logits returns
+    ([N, 1, V]; S is otherwise a whole number of pages, never 1). shortfin tells them apart the
+    same way."""
+    return logits[row, 0 if logits.shape[1] == 1 else length - 1]
 
 
 class GenerationRun:
@@ -280,7 +282,7 @@ class GenerationRun:
             self.stats.prefill_calls += 1
             self.stats.prefill_tokens += sum(len(s.prompt) for s in part)
             for r, s in enumerate(part):
-                yield from self._step(s, next_token_logits(self.session.config, logits, r, len(s.prompt)))
+                yield from self._step(s, next_token_logits(logits, r, len(s.prompt)))
 
     def _decode(self, seqs: list[_Seq]) -> Iterator[TokenEvent]:
         bs = _pick(self.session.config.decode_batch_sizes, len(seqs), "decode")

@@ -73,7 +73,7 @@ def dump_inputs(session, prompt_ids: list[int], output_dir: str | Path, vmfb: st
     inputs = {"tokens": tokens, "seq_lens": lens, "seq_block_ids": ids, "cache_state": cache}
     calls.append(_write_call(out / "prefill", f"prefill_bs{bs}", inputs, logits, vmfb, irpa, device))
 
-    next_token = int(np.argmax(next_token_logits(config, logits, 0, n)))
+    next_token = int(np.argmax(next_token_logits(logits, 0, n)))
     bs = _pick(config.decode_batch_sizes, 1, "decode")
     blocks = n // stride + 1
     tokens = np.zeros((bs, 1), np.int64)

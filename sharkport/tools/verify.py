@@ -42,14 +42,13 @@ class Comparison:
 def teacher_forced_logits(session, ids: list[int], prompt_len: int) -> np.ndarray:
     """Logits [len(ids) - 1, V] predicting positions 1.. of `ids`: a prefill over the first
     `prompt_len` ids, then a decode step for each later id but the last, at batch size 1 (or the
-    smallest exported, padded with rows on a scratch page). A module exported with
-    --prefill-final-logits prefills one id and decodes the rest, so every position is still
-    checked. The session's cache needs ceil(len(ids) / stride) + 1 pages."""
+    smallest exported, padded with rows on a scratch page). For a module exported with
+    --prefill-final-logits (whose prefill returns one position) the prompt is one id and the rest
+    is decoded, so every position is still checked. The session's cache needs
+    ceil(len(ids) / stride) + 1 pages."""
     from ..runtime.generate import _pick
 
     c = session.config
-    if c.prefill_final_logits:
-        prompt_len = 1
     stride = c.block_seq_stride
     scratch, pages = 0, list(range(1, math.ceil(len(ids) / stride) + 1))
     if pages[-1] >= session.pages:
@@ -62,7 +61,10 @@ def teacher_forced_logits(session, ids: list[int], prompt_len: int) -> np.ndarra
     lens[0] = prompt_len
     table = np.full((bs, blocks), scratch, np.int64)
     table[0] = pages[:blocks]
-    rows = [session.prefill(tokens, lens, table)[0, :prompt_len]]
+    prefill = session.prefill(tokens, lens, table)
+    if prefill.shape[1] == 1 and prompt_len > 1:  # final logits only: prefill one id instead
+        return teacher_forced_logits(session, ids, 1)
+    rows = [prefill[0, :prompt_len]]
     bs = _pick(c.decode_batch_sizes, 1, "decode")
     for pos in range(prompt_len, len(ids) - 1):
         blocks = pos // stride + 1
