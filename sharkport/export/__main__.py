@@ -52,10 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--activation-dtype", choices=DTYPE_NAMES, default="float32")
     parser.add_argument("--kv-cache-dtype", choices=["float32", "float16"], default="float32")
     parser.add_argument("--prefill-final-logits", action="store_true",
-                        help="prefill returns only each sequence's last logits [N, 1, V] (faster; "
-                             "sharkport's runner handles it, shortfin 3.9 does not)")
+                        help="prefill returns only each sequence's last logits [N, 1, V], skipping the "
+                             "output projection of the other positions")
     parser.add_argument("--target", choices=list(TARGETS), default="llvm-cpu",
-                        help="compile target preset for --output-vmfb (default llvm-cpu on the host CPU)")
+                        help="compile target preset for --output-vmfb (default llvm-cpu: the host CPU, "
+                             "weights dequantized and packed at load, 4 bytes each in memory; "
+                             "llvm-cpu-lean keeps them as stored, slower)")
     add_verbose(parser)
     args, extra = parser.parse_known_args(argv)
     unknown = [f for f in extra if not f.startswith("--iree-")]
