@@ -89,23 +89,10 @@ class HubServer:
 def tiny_hf_model(tmp_path_factory):
     """A tiny llama (vocabulary 320) saved by transformers, with a byte-level BPE tokenizer.json
     of 320 tokens trained here, and the same weights as a GGUF."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from test_tokenizer import _corpus
-    from tiny_models import TinySpec, make_tiny_llama
+    from tiny_models import TinySpec, make_tiny_llama_with_bpe
 
     root = tmp_path_factory.mktemp("dataset_model")
-    m = make_tiny_llama(TinySpec("dataset", kv_heads=2, tied=True, vocab_size=320, seed=9), root)
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    tk.train_from_iterator(_corpus(), trainers.BpeTrainer(
-        vocab_size=320, show_progress=False, special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    assert tk.get_vocab_size() <= 320
-    tk.save(str(m.hf_dir / "tokenizer.json"))
-    (m.hf_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
-    return m
+    return make_tiny_llama_with_bpe(TinySpec("dataset", kv_heads=2, tied=True, vocab_size=320, seed=9), root)
 
 
 @pytest.fixture

@@ -171,23 +171,12 @@ def test_export_cli_writes_tokenizer_beside_the_module(tmp_path):
     """The exporter's outputs for a tiny llama imported from an HF folder with a trained
     tokenizer.json: a service config shortfin's ModelParams accepts, and tokenizer files that
     encode like the folder's tokenizer in transformers."""
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, trainers
     from transformers import AutoTokenizer
 
     from sharkport.archive import import_hf
-    from test_tokenizer import _corpus
-    from tiny_models import TinySpec, make_tiny_llama
+    from tiny_models import TinySpec, make_tiny_llama_with_bpe
 
-    m = make_tiny_llama(TinySpec("tok", kv_heads=2, tied=True, vocab_size=320, seed=3), tmp_path / "hf")
-    tk = HFTokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    tk.train_from_iterator(_corpus(), trainers.BpeTrainer(
-        vocab_size=320, show_progress=False, special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tk.save(str(m.hf_dir / "tokenizer.json"))
-    (m.hf_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    m = make_tiny_llama_with_bpe(TinySpec("tok", kv_heads=2, tied=True, vocab_size=320, seed=3), tmp_path / "hf")
     irpa = tmp_path / "tok.irpa"
     import_hf(m.hf_dir, irpa, progress=False)
 

@@ -142,6 +142,28 @@ def make_tiny_llama(spec: TinySpec, directory: Path) -> TinyLlama:
     return TinyLlama(spec, hf, hf_dir, gguf_path)
 
 
+def make_tiny_llama_with_bpe(spec: TinySpec, root: Path) -> TinyLlama:
+    """make_tiny_llama, with a byte-level BPE tokenizer.json of spec.vocab_size tokens trained
+    here (EOS `<|endoftext|>`, in tokenizer_config.json) in its HF folder."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from test_tokenizer import _corpus
+
+    m = make_tiny_llama(spec, root)
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(_corpus(), trainers.BpeTrainer(
+        vocab_size=spec.vocab_size, show_progress=False, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    assert tk.get_vocab_size() <= spec.vocab_size
+    tk.save(str(m.hf_dir / "tokenizer.json"))
+    (m.hf_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return m
+
+
 class TinyModels:
     """Builds each variant on first use under `root/<name>` and keeps it for the session."""
 
