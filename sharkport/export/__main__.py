@@ -49,7 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-irpa", type=Path, metavar="x.irpa",
                         help="with --tensor-parallelism-size N > 1: the root archive to write; rank r's "
                              "weights go to x.rank{r}.irpa beside it")
-    parser.add_argument("--activation-dtype", choices=DTYPE_NAMES, default="float32")
+    parser.add_argument("--activation-dtype", choices=DTYPE_NAMES, default="float32",
+                        help="dtype of activations (default float32, the tested one; float16 modules "
+                             "compile but crash at run time on llvm-cpu with IREE 3.9, bfloat16 is "
+                             "untested: docs/performance.md)")
     parser.add_argument("--kv-cache-dtype", choices=["float32", "float16"], default="float32")
     parser.add_argument("--prefill-final-logits", action="store_true",
                         help="prefill returns only each sequence's last logits [N, 1, V], skipping the "
