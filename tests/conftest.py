@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from real_models import compiled_module, hf_from_gguf
 from sharkport.packaged import packaged_gguf
 from tiny_models import TINY_EXPORT, TinyModels
 
@@ -86,26 +87,14 @@ def smollm2_irpa(smollm2_gguf, tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_hf(smollm2_gguf):
     """transformers' own reading of the same GGUF (it dequantizes to float32)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder, name = smollm2_gguf.parent, smollm2_gguf.name
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    return model.eval(), AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return hf_from_gguf(smollm2_gguf)
 
 
 @pytest.fixture(scope="session")
 def smollm2_compiled(smollm2_irpa):
     """SmolLM2 exported at batch size 1 and compiled for the host CPU: (vmfb, irpa, config json)."""
-    from sharkport.archive import Dataset
-    from sharkport.compile import compile_mlir
-    from sharkport.export import export_model, save_export
     from sharkport.export.abi import ExportConfig
 
-    folder = smollm2_irpa.parent
     config = ExportConfig(bs_prefill=(1,), bs_decode=(1,), block_seq_stride=32,
                           device_block_count=16, max_seq_len=512)
-    output, service = export_model(Dataset.load(smollm2_irpa), config)
-    save_export(output, service, folder / "smollm2.mlir", folder / "smollm2.json")
-    compile_mlir(folder / "smollm2.mlir", folder / "smollm2.vmfb")
-    return folder / "smollm2.vmfb", smollm2_irpa, folder / "smollm2.json"
+    return compiled_module(smollm2_irpa, "smollm2", config)

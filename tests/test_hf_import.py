@@ -240,8 +240,14 @@ def test_bad_checkpoint_is_one_line_error(tiny, sharded_dir, tmp_path, capsys, c
     layout, breaker, message = BROKEN[case]
     d = _copy(sharded_dir if layout == "sharded" else tiny["gqa-untied"].hf_dir, tmp_path / "ckpt")
     breaker(d)
+    check_import_refused(d, tmp_path, capsys, message)
+
+
+def check_import_refused(model_dir, tmp_path, capsys, message: str) -> None:
+    """`tools.import_hf` on `model_dir` exits 2 with one line matching `message` and writes nothing."""
+    capsys.readouterr()
     out = tmp_path / "x.irpa"
-    assert import_hf_cli.main(["--model-dir", str(d), "--save", str(out)]) == 2
+    assert import_hf_cli.main(["--model-dir", str(model_dir), "--save", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err
     assert re.search(message, err), err

@@ -228,21 +228,14 @@ BROKEN = {
 
 @pytest.mark.parametrize("case", params(BROKEN))
 def test_bad_hf_folder_is_one_line_error(recipes, tmp_path, capsys, case):
-    import re
     import shutil
 
-    from sharkport.tools import import_hf as import_hf_cli
+    from test_hf_import import check_import_refused
 
     kind, breaker, message = BROKEN[case]
     d = shutil.copytree(recipes[kind].hf_dir, tmp_path / "hf")
     breaker(d)
-    capsys.readouterr()
-    out = tmp_path / "x.irpa"
-    assert import_hf_cli.main(["--model-dir", str(d), "--save", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err
-    assert re.search(message, err), err
-    assert not out.exists() and not list(tmp_path.glob(".x.irpa*"))
+    check_import_refused(d, tmp_path, capsys, message)
 
 
 # ---------------------------------------------------------------------------------------------

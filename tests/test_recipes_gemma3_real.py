@@ -10,6 +10,7 @@ budget of the whole suite cannot hold. Run with `pytest -m real_model`.
 import pytest
 import torch
 
+from real_models import compiled_module, eager_prefill, hf_from_gguf
 from sharkport.archive import Dataset
 from sharkport.packaged import packaged_gguf
 from sharkport.runtime.generate import generate
@@ -36,30 +37,20 @@ def gemma3_gguf():
 
 @pytest.fixture(scope="module")
 def gemma3_hf(gemma3_gguf):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder, name = gemma3_gguf.parent, gemma3_gguf.name
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    return model.eval(), AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return hf_from_gguf(gemma3_gguf)
 
 
 @pytest.fixture(scope="module")
 def gemma3_compiled(gemma3_gguf, tmp_path_factory):
     """Imported, exported at batch size 1 only (prefill + decode) and compiled: (vmfb, irpa, json)."""
     from sharkport.archive import import_gguf
-    from sharkport.compile import compile_mlir
-    from sharkport.export import export_model, save_export
     from sharkport.export.abi import ExportConfig
 
-    folder = tmp_path_factory.mktemp("gemma3_270m")
-    irpa = folder / "gemma3.irpa"
+    irpa = tmp_path_factory.mktemp("gemma3_270m") / "gemma3.irpa"
     import_gguf(gemma3_gguf, irpa, progress=False)
     config = ExportConfig(bs_prefill=(1,), bs_decode=(1,), block_seq_stride=32,
                           device_block_count=16, max_seq_len=256)
-    output, service = export_model(Dataset.load(irpa), config)
-    save_export(output, service, folder / "gemma3.mlir", folder / "gemma3.json")
-    compile_mlir(folder / "gemma3.mlir", folder / "gemma3.vmfb")
-    return folder / "gemma3.vmfb", irpa, folder / "gemma3.json"
+    return compiled_module(irpa, "gemma3", config)
 
 
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
@@ -76,14 +67,9 @@ def test_eager_prefill_matches_transformers(gemma3_gguf, gemma3_hf):
     hf, tok = gemma3_hf
     model = build_model(Dataset.load(gemma3_gguf), ModelConfig(block_seq_stride=32))
     ids = tok(PASSAGE).input_ids
-    blocks = -(-len(ids) // 32)
-    tokens = torch.zeros(1, blocks * 32, dtype=torch.long)
-    tokens[0, : len(ids)] = torch.tensor(ids)
-    pages = torch.arange(blocks).flip(0)[None]
     with torch.no_grad():
-        ours = model.prefill(tokens, torch.tensor([len(ids)]), pages, model.new_cache(blocks))
         ref = hf(torch.tensor([ids])).logits
-    torch.testing.assert_close(ours[0, : len(ids)], ref[0], rtol=0, atol=1e-3)
+    torch.testing.assert_close(eager_prefill(model, ids), ref[0], rtol=0, atol=1e-3)
 
 
 def test_greedy_continuations_equal_transformers(gemma3_compiled, gemma3_hf):

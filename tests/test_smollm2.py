@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from real_models import eager_prefill
 from sharkport.archive import Dataset
 from sharkport.runtime.generate import generate
 from sharkport.runtime.session import IreeSession
@@ -54,14 +55,9 @@ def test_eager_recipe_matches_transformers(smollm2_irpa, smollm2_hf):
     hf, tok = smollm2_hf
     model = build_model(Dataset.load(smollm2_irpa), ModelConfig(block_seq_stride=32))
     ids = tok(PASSAGE).input_ids
-    blocks = -(-len(ids) // 32)
-    tokens = torch.zeros(1, blocks * 32, dtype=torch.long)
-    tokens[0, : len(ids)] = torch.tensor(ids)
-    pages = torch.arange(blocks).flip(0)[None]  # out of order, page 0 included
     with torch.no_grad():
-        ours = model.prefill(tokens, torch.tensor([len(ids)]), pages, model.new_cache(blocks))
         ref = hf(torch.tensor([ids])).logits
-    torch.testing.assert_close(ours[0, : len(ids)], ref[0], rtol=0, atol=2e-3)
+    torch.testing.assert_close(eager_prefill(model, ids), ref[0], rtol=0, atol=2e-3)
 
 
 @pytest.fixture(scope="module")

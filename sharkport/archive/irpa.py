@@ -121,6 +121,15 @@ def weight_entries(name: str, weight_type: str, shape: tuple[int, ...], raw: np.
     ]
 
 
+def index_metadata(index) -> dict[str, Any] | None:
+    """The sharkport metadata among the archives loaded into an `iree.runtime.ParameterIndex`, or
+    None when none of them has it (the runtime's reader, without turbine's)."""
+    entries = dict(index.items())
+    if METADATA_KEY not in entries:
+        return None
+    return json.loads(bytes(np.asarray(entries[METADATA_KEY].file_view)))
+
+
 def read_archive(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Weight], Any]:
     """Memory-maps an .irpa → (metadata, weights by GGUF name, the archive that keeps the map alive)."""
     from iree.turbine.aot import ParameterArchive  # slow to import; only readers need it

@@ -56,25 +56,37 @@ def export_model(dataset: Dataset, config: ExportConfig,
     model = build_model(dataset, model_config)
     externalize(dataset)
     page_elems, cache_dtype = model.cache.page_elems, model_config.kv_cache_dtype
+
+    def program_args(kind: str, bs: int):
+        return example_args(config, kind, bs, page_elems, cache_dtype), dynamic_shapes(config, kind), None
+
+    return trace_programs(model, config, program_args), service_config(model, config)
+
+
+def trace_programs(model: CausalLM, config: ExportConfig, program_args) -> aot.ExportOutput:
+    """Traces `model`'s prefill_bs{N} and decode_bs{N} for the config's batch sizes into one MLIR
+    module. `program_args(kind, bs)` gives each function's example args, dynamic shapes and
+    argument devices (None: one device)."""
     fxb = FxProgramsBuilder(model)
 
     for bs in config.bs_prefill:
-        @fxb.export_program(name=f"prefill_bs{bs}", strict=False,
-                            args=example_args(config, "prefill", bs, page_elems, cache_dtype),
-                            dynamic_shapes=dynamic_shapes(config, "prefill"))
+        args, shapes, devices = program_args("prefill", bs)
+
+        @fxb.export_program(name=f"prefill_bs{bs}", strict=False, args=args, dynamic_shapes=shapes,
+                            arg_device=devices)
         def _prefill(module, tokens, seq_lens, seq_block_ids, cache_state):
             return module.prefill(tokens, seq_lens, seq_block_ids, cache_state)
 
     for bs in config.bs_decode:
-        @fxb.export_program(name=f"decode_bs{bs}", strict=False,
-                            args=example_args(config, "decode", bs, page_elems, cache_dtype),
-                            dynamic_shapes=dynamic_shapes(config, "decode"))
+        args, shapes, devices = program_args("decode", bs)
+
+        @fxb.export_program(name=f"decode_bs{bs}", strict=False, args=args, dynamic_shapes=shapes,
+                            arg_device=devices)
         def _decode(module, tokens, seq_lens, start_positions, seq_block_ids, cache_state):
             return module.decode(tokens, seq_lens, start_positions, seq_block_ids, cache_state)
 
     with torch.no_grad():
-        output = aot.export(fxb)
-    return output, service_config(model, config)
+        return aot.export(fxb)
 
 
 def save_export(output: aot.ExportOutput, service: ServiceConfig,

@@ -14,17 +14,15 @@ a root on disk always has its rank files.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-import numpy as np
 from tqdm import tqdm
 
 from ..archive import ArchiveMetadata, Dataset, QuantizedTensor, Theta, Weight, entries_of
-from ..archive.irpa import ARCHIVE_VERSION, METADATA_KEY, read_archive, write_archive
+from ..archive.irpa import ARCHIVE_VERSION, index_metadata, read_archive, write_archive
 from ..errors import SharkportError
 from ..formats.keys import LlamaHParams
 from ..quant import PLAIN_TYPES
@@ -47,10 +45,7 @@ def parameter_files(root: str | os.PathLike, size: int) -> tuple[list[Path], int
 
     index = rt.ParameterIndex()
     index.load(str(root), mmap=True)
-    entries = dict(index.items())
-    tp = {}
-    if METADATA_KEY in entries:
-        tp = json.loads(bytes(np.asarray(entries[METADATA_KEY].file_view))).get(METADATA_FIELD, {})
+    tp = (index_metadata(index) or {}).get(METADATA_FIELD, {})
     if tp.get("size") != size or "rank" in tp:
         raise SharkportError(f"{root}: the module runs on {size} devices, so pass the root archive written "
                              f"with it by --tensor-parallelism-size {size} (--output-irpa)")

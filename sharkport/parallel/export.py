@@ -12,13 +12,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
 from iree.turbine import aot
-from iree.turbine.aot import DeviceAffinity, DeviceTensorTrait, ExternalTensorTrait, FxProgramsBuilder
+from iree.turbine.aot import DeviceAffinity, DeviceTensorTrait, ExternalTensorTrait
 
 from ..archive import QuantizedTensor
 from ..export.abi import DECODE_ARGS, PREFILL_ARGS, ExportConfig, ServiceConfig, dynamic_shapes, example_args
-from ..export.exporter import PARAMETER_SCOPE, service_config
+from ..export.exporter import PARAMETER_SCOPE, service_config, trace_programs
 from ..models import ModelConfig
 from .archive import ShardedDataset
 from .llama import ShardedLlama
@@ -55,27 +54,8 @@ def export_sharded(sharded: ShardedDataset, config: ExportConfig,
     model_config = model_config or ModelConfig(block_seq_stride=config.block_seq_stride)
     model = ShardedLlama(sharded, model_config)
     externalize_ranks(sharded)
-    fxb = FxProgramsBuilder(model)
     assert PREFILL_ARGS[-1] == DECODE_ARGS[-1] == "cache_state"
-
-    for bs in config.bs_prefill:
-        args, shapes, devices = _sharded_args(config, "prefill", bs, model)
-
-        @fxb.export_program(name=f"prefill_bs{bs}", strict=False, args=args, dynamic_shapes=shapes,
-                            arg_device=devices)
-        def _prefill(module, tokens, seq_lens, seq_block_ids, cache_state):
-            return module.prefill(tokens, seq_lens, seq_block_ids, cache_state)
-
-    for bs in config.bs_decode:
-        args, shapes, devices = _sharded_args(config, "decode", bs, model)
-
-        @fxb.export_program(name=f"decode_bs{bs}", strict=False, args=args, dynamic_shapes=shapes,
-                            arg_device=devices)
-        def _decode(module, tokens, seq_lens, start_positions, seq_block_ids, cache_state):
-            return module.decode(tokens, seq_lens, start_positions, seq_block_ids, cache_state)
-
-    with torch.no_grad():
-        output = aot.export(fxb)
+    output = trace_programs(model, config, lambda kind, bs: _sharded_args(config, kind, bs, model))
     # The config counts the model's kv heads; each device's cache holds Hkv/N of them.
     service = replace(service_config(model, config), attention_head_count_kv=model.hp.head_count_kv,
                       tensor_parallelism_size=model.n)

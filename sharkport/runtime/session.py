@@ -76,12 +76,10 @@ class Session:
 
 def _embedding_rows(index, irpa) -> int:
     """The vocabulary size of an archive: the rows of token_embd.weight in its metadata entry."""
-    from ..archive.irpa import METADATA_KEY
+    from ..archive.irpa import index_metadata
 
-    entries = dict(index.items())
     try:
-        meta = json.loads(bytes(np.asarray(entries[METADATA_KEY].file_view)))
-        return int(meta["tensors"]["token_embd.weight"]["shape"][0])
+        return int(index_metadata(index)["tensors"]["token_embd.weight"]["shape"][0])
     except (KeyError, IndexError, TypeError, ValueError):
         raise SharkportError(
             f"{irpa}: no token_embd.weight in the archive metadata, so the vocabulary size is "
@@ -101,6 +99,8 @@ class IreeSession(Session):
                  pages: int | None = None, device: str | None = None):
         import iree.runtime as rt
 
+        from ..parallel.archive import parameter_files
+
         for p in (vmfb, irpa):
             if not Path(p).is_file():
                 raise SharkportError(f"{p}: no such file")
@@ -110,41 +110,20 @@ class IreeSession(Session):
                 raise SharkportError(f"{path}: no such file; pass the JSON written by --output-config")
             config = ServiceConfig.from_json(json.loads(path.read_text()), str(path))
         self.pages = pages or config.device_block_count
-        self._device_name = device or ("local-sync" if config.tensor_parallelism_size > 1 else "local-task")
-        if config.tensor_parallelism_size > 1:
-            self._load_on_devices(rt, vmfb, irpa, config, self._device_name)
-            return
-        self._rt_config = rt.Config(self._device_name)
-        instance = self._rt_config.vm_instance
-        index = rt.ParameterIndex()
-        index.load(str(irpa), mmap=True)
-        if config.vocab_size is None:  # not in the JSON (shortfin's config has no such field)
-            config = replace(config, vocab_size=_embedding_rows(index, irpa))
-        self.config = config
-        params = rt.create_io_parameters_module(instance, index.create_provider(scope="model"))
-        hal = rt.create_hal_module(instance, self._rt_config.device)
-        main = rt.VmModule.mmap(instance, str(vmfb))
-        self._modules = rt.load_vm_modules(params, hal, main, config=self._rt_config)
-        self._module = self._modules[-1]
-        self._device = self._rt_config.device
-        dtype = _NP_CACHE_DTYPES[config.kv_cache_dtype]
-        self._caches = [rt.asdevicearray(self._device, np.zeros((self.pages, config.page_elems), dtype))]
-
-    def _load_on_devices(self, rt, vmfb, root, config: ServiceConfig, device: str) -> None:
-        """A tensor-parallel module: the root's rank files and one cache per device, N devices."""
-        from ..parallel.archive import parameter_files
-
         n = config.tensor_parallelism_size
-        files, vocab = parameter_files(root, n)
-        self.config = config if config.vocab_size is not None else replace(config, vocab_size=vocab)
-        uris = device.split(",") if "," in device else [device] * n
+        self._device_name = device or ("local-sync" if n > 1 else "local-task")
+        uris = self._device_name.split(",") if "," in self._device_name else [self._device_name] * n
         if len(uris) != n:
-            raise SharkportError(f"device {device!r} names {len(uris)} devices; the module runs on {n}")
-        devices = [rt.get_device(uri, cache=False) for uri in uris]  # N devices, not one shared
+            raise SharkportError(f"device {self._device_name!r} names {len(uris)} devices; the module runs on {n}")
+        devices = [rt.get_device(uri, cache=n == 1) for uri in uris]  # N > 1: N devices, not one shared
+        files, vocab = parameter_files(irpa, n) if n > 1 else ([irpa], None)
         instance = rt.VmInstance()
         index = rt.ParameterIndex()
-        for f in files:  # every name is distinct (`.shard.{r}`), so all load into scope "model"
+        for f in files:  # rank files' names are distinct (`.shard.{r}`): all load into scope "model"
             index.load(str(f), mmap=True)
+        if config.vocab_size is None:  # not in the JSON (shortfin's config has no such field)
+            config = replace(config, vocab_size=vocab or _embedding_rows(index, irpa))
+        self.config = config
         params = rt.create_io_parameters_module(instance, index.create_provider(scope="model"))
         hal = rt.create_hal_module(instance, devices=devices)
         main = rt.VmModule.mmap(instance, str(vmfb))
@@ -202,8 +181,8 @@ def _one_line(e: BaseException) -> str:
 
 
 class _Functions:
-    """A module's functions in a context built by hand (several devices), looked up by name like
-    load_vm_modules' modules; inputs and results go through `device` (device 0)."""
+    """A module's functions in its context, looked up by name; inputs and results go through
+    `device` (device 0 of a tensor-parallel module)."""
 
     def __init__(self, rt, context, module, device):
         self._rt, self._context, self._module, self._device = rt, context, module, device
