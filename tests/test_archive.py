@@ -131,3 +131,83 @@ def test_sigkill_mid_write_leaves_the_old_archive(tmp_path):
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, "the import finished before it could be killed"
     assert target.read_bytes() == b"the previous archive"
+
+
+def _iree_archive(gguf_path, irpa, metadata):
+    """The archive IREE's own builder writes for a GGUF: plain tensors as file ranges of the GGUF,
+    quantized ones split into planes with numpy structured views (gguf.GGUFReader's data)."""
+    import iree.runtime as rt
+
+    from sharkport.archive.irpa import entry_metadata
+    from sharkport.quant import BLOCK_TYPES
+
+    reader = gguf.GGUFReader(gguf_path)
+    index = rt.ParameterIndex()
+    with open(gguf_path, "rb") as f:
+        handle = rt.FileHandle.wrap_fd(f.fileno())
+        for t in reader.tensors:
+            shape = tuple(int(d) for d in reversed(t.shape))
+            name = t.tensor_type.name
+            if name in ("F32", "F16", "BF16"):
+                dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[name]
+                index.add_from_file_handle(t.name, handle, int(t.n_bytes), int(t.data_offset),
+                                           metadata=entry_metadata(dtype, shape))
+                continue
+            blocks = np.asarray(t.data).reshape(-1).view(BLOCK_TYPES[name].struct)
+            for field, _, count in BLOCK_TYPES[name].fields:
+                plane = np.ascontiguousarray(blocks[field]).reshape(*shape[:-1], -1, *([count] if count > 1 else []))
+                index.add_buffer(f"{t.name}:{field}", plane.tobytes(),
+                                 metadata=entry_metadata(torch.from_numpy(plane).dtype, plane.shape))
+        index.add_buffer(METADATA_KEY, json.dumps(metadata).encode())
+        index.create_archive_file(str(irpa))
+
+
+def test_archive_bytes_match_irees_builder(mixed_gguf, tmp_path, monkeypatch):
+    """import_gguf lays the archive out itself (kernel copies, planes split a chunk at a time):
+    the file is byte for byte the one IREE's archive builder writes from the same entries. The
+    plane chunk is cut to 3 blocks so every quantized tensor is split over many chunks."""
+    import sharkport.archive.irpa as irpa
+
+    monkeypatch.setattr(irpa, "PLANE_CHUNK_BYTES", 3 * 34)
+    metadata = import_gguf(mixed_gguf, tmp_path / "ours.irpa", progress=False)
+    _iree_archive(mixed_gguf, tmp_path / "iree.irpa", metadata)
+    assert (tmp_path / "ours.irpa").read_bytes() == (tmp_path / "iree.irpa").read_bytes()
+
+
+def test_write_archive_bytes_match_irees_builder(tmp_path):
+    """write_archive (arrays spooled, then copied into place), with odd lengths and an entry of
+    zero bytes, against IREE's builder."""
+    import iree.runtime as rt
+
+    from sharkport.archive.irpa import Entry, entry_metadata, write_archive
+
+    rng = np.random.default_rng(1)
+    arrays = {"a": rng.standard_normal((3, 5)).astype(np.float32), "empty": np.zeros((0, 4), np.float16),
+              "b.odd": rng.integers(0, 255, (7, 13), dtype=np.uint8), "c": rng.integers(-9, 9, (129,), dtype=np.int8)}
+    entries = [Entry(k, torch.from_numpy(a).dtype, a.shape, data=a) for k, a in arrays.items()]
+    metadata = {"hparams": {"x": 1}, "tensors": {}}
+    write_archive(tmp_path / "ours.irpa", entries, metadata)
+    index = rt.ParameterIndex()
+    for e in entries:
+        index.add_buffer(e.key, e.data.tobytes(), metadata=entry_metadata(e.dtype, e.shape))
+    index.add_buffer(METADATA_KEY, json.dumps(metadata).encode())
+    index.create_archive_file(str(tmp_path / "iree.irpa"))
+    assert (tmp_path / "ours.irpa").read_bytes() == (tmp_path / "iree.irpa").read_bytes()
+
+
+@pytest.mark.parametrize("copier", ["_copy_file_range", "_sendfile", "_pread_pwrite"])
+def test_copy_range_each_way(tmp_path, copier):
+    """Each way of copying a file range (and so each fallback) copies the right bytes between
+    unaligned offsets; a source that ends early is a one-line error naming it."""
+    import sharkport.archive.irpa as irpa
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    data = np.random.default_rng(2).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
+    src.write_bytes(data)
+    dst.write_bytes(b"\xff" * 100)
+    way = (getattr(irpa, copier),)
+    with open(src, "rb") as s, open(dst, "r+b") as d, open(tmp_path / "other", "wb") as other:
+        irpa.copy_range(s.fileno(), 1001, d.fileno(), 7, len(data) - 2000, "src", copiers=way)
+        with pytest.raises(SharkportError, match="src: the file ended 1000 bytes early"):
+            irpa.copy_range(s.fileno(), 1000, other.fileno(), 0, len(data), "src", copiers=way)
+    assert dst.read_bytes()[:7 + len(data) - 2000] == b"\xff" * 7 + data[1001:-999]

@@ -3,6 +3,7 @@ or a Hugging Face checkpoint folder."""
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +18,8 @@ from ..formats.gguf import GgufFile, GgufTensor, read_gguf
 from ..formats.hf import HfCheckpoint, PlannedTensor, hf_tokenizer_files, read_hf
 from ..formats.names import gguf_rope_layout
 from ..quant import BLOCK_TYPES, PLAIN_TYPES, check_supported
-from .irpa import ARCHIVE_VERSION, Entry, read_archive, weight_entries, write_archive
+from .irpa import (_NUMPY_TO_TORCH, ARCHIVE_VERSION, METADATA_KEY, Entry, Slot, copy_planes, copy_range, entry_metadata,
+                   read_archive, write_archive, write_at, write_slots)
 from .tensors import QuantizedTensor, Theta, Weight, weight_from_raw
 
 __all__ = ["Dataset", "QuantizedTensor", "Theta", "Weight", "entries_of", "import_gguf", "import_hf",
@@ -122,6 +124,21 @@ def _gguf_weights(gg: GgufFile) -> dict[str, Weight]:
     return {t.name: weight_from_raw(t.type_name, t.shape, _raw_bytes(t)) for t in gg.tensors}
 
 
+def gguf_slots(gg: GgufFile) -> list[Slot]:
+    """The archive entries of a GGUF's tensors, in file order: a plain tensor under its name, a
+    quantized one as its planes `name:plane` in block-struct order."""
+    slots = []
+    for t in gg.tensors:
+        if t.type_name in PLAIN_TYPES:
+            dtype = getattr(torch, PLAIN_TYPES[t.type_name][1])
+            slots.append(Slot(t.name, entry_metadata(dtype, t.shape).encode(), t.n_bytes))
+            continue
+        for plane, (shape, dt) in BLOCK_TYPES[t.type_name].plane_shapes(t.shape).items():
+            n_bytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+            slots.append(Slot(f"{t.name}:{plane}", entry_metadata(_NUMPY_TO_TORCH[dt], shape).encode(), n_bytes))
+    return slots
+
+
 def import_gguf(gguf_file: str | os.PathLike | GgufFile, irpa_path: str | os.PathLike,
                 progress: bool = True) -> dict[str, Any]:
     """GGUF → .irpa, streamed tensor by tensor and written atomically. Returns the metadata.
@@ -131,22 +148,24 @@ def import_gguf(gguf_file: str | os.PathLike | GgufFile, irpa_path: str | os.Pat
     if irpa_path.exists() and irpa_path.resolve() == gg.path.resolve():
         raise SharkportError(f"{irpa_path}: refusing to overwrite the input file; choose another --save path")
     metadata = gguf_archive_metadata(gg)
+    slots = gguf_slots(gg)
+    blob = json.dumps(metadata).encode()
 
-    def entries() -> Iterator[Entry]:
-        with open(gg.path, "rb") as f:
+    def fill(fd: int, offsets: tuple[int, ...]) -> None:
+        at = iter(offsets)
+        with open(gg.path, "rb") as f, tqdm(total=sum(t.n_bytes for t in gg.tensors), unit="B", unit_scale=True,
+                                            desc=f"import {gg.path.name}", disable=not progress) as bar:
             for t in gg.tensors:
-                if t.type_name in PLAIN_TYPES:  # copied from the file by IREE, not through memory
-                    yield from weight_entries(t.name, t.type_name, t.shape, _raw_bytes(t), gg.path, t.offset)
-                    continue
-                # Planes are split from a private read of the blocks, not from the memory map:
-                # mapped pages stay resident, so the whole file would count as our memory.
-                f.seek(t.offset)
-                yield from weight_entries(t.name, t.type_name, t.shape, np.fromfile(f, np.uint8, t.n_bytes))
+                where = f"{gg.path}: tensor {t.name}"
+                if t.type_name in PLAIN_TYPES:  # copied in the kernel, not through this process's memory
+                    copy_range(f.fileno(), t.offset, fd, next(at), t.n_bytes, where)
+                else:
+                    block = BLOCK_TYPES[t.type_name]
+                    copy_planes(f.fileno(), t.offset, t.n_bytes, block, fd, [next(at) for _ in block.fields], where)
+                bar.update(t.n_bytes)
+        write_at(fd, blob, next(at))
 
-    total = sum(t.n_bytes for t in gg.tensors)
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"import {gg.path.name}",
-              disable=not progress) as bar:
-        write_archive(irpa_path, entries(), metadata, progress=bar)
+    write_slots(irpa_path, [*slots, Slot(METADATA_KEY, b"", len(blob))], fill)
     return metadata
 
 

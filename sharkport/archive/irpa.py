@@ -9,20 +9,21 @@ entry `METADATA_KEY` with the hyperparameters, tokenizer, rotary layout and tens
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
-import iree.runtime as rt
 import numpy as np
 import torch
 
 from ..errors import SharkportError
 from ..fileio import atomic_output
-from ..quant import BLOCK_TYPES, PLAIN_TYPES
+from ..quant import PLAIN_TYPES, BlockType
 from .tensors import QuantizedTensor, Weight
 
 METADATA_KEY = "__sharkport__"
@@ -76,49 +77,198 @@ def entry_metadata(dtype: torch.dtype, shape: tuple[int, ...]) -> str:
     return "PYTORCH:" + json.dumps(desc)
 
 
+# --- The archive's bytes. IREE's parameter archive v0 (iree/schemas/parameter_archive.h), laid out
+# exactly as IREE's own builder (iree_io_build_parameter_archive) lays it out: tests compare the
+# bytes. sharkport writes them itself because IREE's builder copies through 32 KiB read/write
+# pairs and then fsyncs the whole file, which bounded a 2.2 GB import at ~0.5 GB/s.
+_MAGIC = 0x41505249  # "IRPA"
+_HEADER = struct.Struct("<IHHQQQQ6Q")  # magic, version 0.0, header size, next header, flags; entry count; 3 ranges
+_DATA_ENTRY = struct.Struct("<QIQ4QQ2Q")  # entry size, type, flags, name ref, metadata ref, min alignment, storage ref
+_TYPE_DATA = 2
+_ENTRY_ALIGN, _DATA_ALIGN, _FILE_ALIGN = 16, 64, 4096
+
+
+def _align(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One archive entry before its bytes exist: key, metadata and length."""
+
+    key: str
+    metadata: bytes
+    length: int
+
+
+@dataclass(frozen=True)
+class ArchiveLayout:
+    """Where everything of an archive goes: `head` is the file's first bytes (header, entry table,
+    metadata segment), `offsets[i]` the absolute file offset of slot i's data, `size` the file size."""
+
+    head: bytes
+    offsets: tuple[int, ...]
+    size: int
+
+
+def archive_layout(slots: Sequence[Slot]) -> ArchiveLayout:
+    """The layout of an archive holding `slots` in order (all as data entries, 64-byte aligned)."""
+    entry_seg = (_align(_HEADER.size, _ENTRY_ALIGN), 80 * len(slots) - 4 if slots else 0)
+    assert _align(_DATA_ENTRY.size, _ENTRY_ALIGN) == 80 and _DATA_ENTRY.size == 76
+    meta_seg = (entry_seg[0] + entry_seg[1], sum(len(s.key.encode()) + len(s.metadata) for s in slots))
+    storage_offset = _align(sum(meta_seg), _DATA_ALIGN if slots else 1)
+    relative, storage_len = [], 0
+    for s in slots:
+        relative.append(_align(storage_len, _DATA_ALIGN))
+        storage_len = relative[-1] + s.length
+    head = bytearray(sum(meta_seg))
+    _HEADER.pack_into(head, 0, _MAGIC, 0, 0, _HEADER.size, 0, 0, len(slots),
+                      *entry_seg, *meta_seg, storage_offset, storage_len)
+    names = bytearray()
+    for i, (s, rel) in enumerate(zip(slots, relative)):
+        key = s.key.encode()
+        name_ref = (len(names), len(key))
+        meta_ref = (len(names) + len(key) if s.metadata else 0, len(s.metadata))
+        names += key + s.metadata
+        _DATA_ENTRY.pack_into(head, entry_seg[0] + 80 * i, _DATA_ENTRY.size, _TYPE_DATA, 0,
+                              *name_ref, *meta_ref, _DATA_ALIGN, rel, s.length)
+    head[meta_seg[0]:] = names
+    return ArchiveLayout(bytes(head), tuple(storage_offset + r for r in relative),
+                         _align(storage_offset + storage_len, _FILE_ALIGN))
+
+
+def write_slots(path: str | os.PathLike, slots: Sequence[Slot], fill: Callable[[int, tuple[int, ...]], None]) -> None:
+    """Writes an archive atomically: lays out `slots`, then `fill(fd, offsets)` writes each slot's
+    bytes at its offset (pwrite or kernel copies; anything not written stays zero). No fsync:
+    the rename makes it appear whole, and a kill leaves only the hidden temporary file."""
+    layout = archive_layout(slots)
+    with atomic_output(path) as tmp:
+        fd = os.open(tmp, os.O_RDWR)
+        try:
+            os.ftruncate(fd, layout.size)
+            write_at(fd, layout.head, 0)
+            fill(fd, layout.offsets)
+        finally:
+            os.close(fd)
+
+
+def write_at(fd: int, data, offset: int) -> None:
+    """pwrite all of `data` (bytes or a contiguous array) at `offset`."""
+    view = memoryview(data)
+    view = view if view.ndim == 1 and view.format == "B" else view.cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _copy_file_range(src: int, dst: int, n: int, src_offset: int, dst_offset: int) -> int:
+    return os.copy_file_range(src, dst, n, src_offset, dst_offset)
+
+
+def _sendfile(src: int, dst: int, n: int, src_offset: int, dst_offset: int) -> int:
+    os.lseek(dst, dst_offset, os.SEEK_SET)
+    return os.sendfile(dst, src, src_offset, n)
+
+
+def _pread_pwrite(src: int, dst: int, n: int, src_offset: int, dst_offset: int) -> int:
+    data = os.pread(src, min(n, 8 << 20), src_offset)
+    return os.pwrite(dst, data, dst_offset) if data else 0
+
+
+# Ways to copy a file range, fastest first: in-kernel copies, then through a buffer. Each later one
+# is used when the kernel or the pair of filesystems refuses the earlier (copy_file_range across
+# filesystems: EXDEV on Linux >= 5.19).
+COPIERS = (_copy_file_range, _sendfile, _pread_pwrite)
+_UNSUPPORTED = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF, errno.ESPIPE}
+
+
+def copy_range(src: int, src_offset: int, dst: int, dst_offset: int, n: int, where: str,
+               copiers=COPIERS) -> None:
+    """Copies n bytes from file descriptor `src` at `src_offset` to `dst` at `dst_offset`, in the
+    kernel where it can (no pass through this process's memory). `where` names the source."""
+    done = 0
+    for copy in copiers:
+        try:
+            while done < n:
+                k = copy(src, dst, n - done, src_offset + done, dst_offset + done)
+                if k == 0:
+                    raise SharkportError(f"{where}: the file ended {n - done} bytes early (was it changed "
+                                         "while being read?); re-download it")
+                done += k
+            return
+        except (OSError, AttributeError) as e:  # AttributeError: this os has no such call
+            if isinstance(e, OSError) and e.errno not in _UNSUPPORTED:
+                raise
+    raise SharkportError(f"{where}: no way to copy from this file worked")  # pread/pwrite never refuses
+
+
+def read_at(fd: int, out: np.ndarray, offset: int, where: str) -> None:
+    """Fills the contiguous 1-D uint8 array `out` from `fd` at `offset`."""
+    view = memoryview(out)
+    while view:
+        n = os.preadv(fd, [view], offset)
+        if n == 0:
+            raise SharkportError(f"{where}: the file ended {len(view)} bytes early (was it changed while "
+                                 "being read?); re-download it")
+        view, offset = view[n:], offset + n
+
+
+PLANE_CHUNK_BYTES = 2 << 20  # GGUF blocks split per step: fits in cache, and memory stays flat
+
+
+def copy_planes(src: int, src_offset: int, n_bytes: int, block: BlockType, dst: int, dst_offsets: list[int], where: str) -> None:
+    """Splits the `n_bytes` of blocks at `src_offset` in file `src` into their planes, written at
+    `dst_offsets` (one per field, in struct order) in file `dst`: a bounded chunk of blocks at a
+    time, read with a plain read (mapped pages would stay resident) into reused buffers."""
+    struct_ = block.struct
+    per = max(1, PLANE_CHUNK_BYTES // struct_.itemsize)
+    raw = np.empty(per * struct_.itemsize, np.uint8)
+    widths = [np.dtype(dt).itemsize * count for _, dt, count in block.fields]
+    outs = [np.empty(per * w, np.uint8) for w in widths]
+    n_blocks = n_bytes // struct_.itemsize
+    for start in range(0, n_blocks, per):
+        k = min(per, n_blocks - start)
+        chunk = raw[:k * struct_.itemsize]
+        read_at(src, chunk, src_offset + start * struct_.itemsize, where)
+        blocks = chunk.view(struct_)
+        for (field, dt, count), w, out, dst_offset in zip(block.fields, widths, outs, dst_offsets):
+            plane = out[:k * w].view(dt)
+            np.copyto(plane.reshape(k, count) if count > 1 else plane, blocks[field])
+            write_at(dst, out[:k * w], dst_offset + start * w)
+
+
 def write_archive(path: str | os.PathLike, entries: Iterable[Entry], metadata: dict[str, Any],
                   progress=None) -> None:
     """Writes an .irpa atomically. Entries holding arrays are spooled to a scratch file as they
-    arrive, so peak memory is one tensor, not the model."""
+    arrive, so peak memory is one tensor, not the model; `metadata` is read after the last
+    entry (callers may fill it while the entries stream). Data then goes to its place in the
+    archive by kernel copies."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
-        out = stack.enter_context(atomic_output(path))
         scratch = stack.enter_context(tempfile.TemporaryFile(dir=path.parent))
-        scratch_handle = rt.FileHandle.wrap_fd(scratch.fileno())
-        handles: dict[Path, rt.FileHandle] = {}
-        index = rt.ParameterIndex()
+        files: dict[Path, int] = {}
+        slots, sources = [], []
         for e in entries:
-            meta = entry_metadata(e.dtype, e.shape)
             if e.data is not None:
-                offset = scratch.tell()
-                scratch.write(memoryview(np.ascontiguousarray(e.data)).cast("B"))
-                index.add_from_file_handle(e.key, scratch_handle, e.n_bytes, offset, metadata=meta)
+                sources.append((scratch.fileno(), scratch.tell(), "a scratch file"))
+                scratch.write(np.ascontiguousarray(e.data).reshape(-1).view(np.uint8).data)
             else:
-                if e.file not in handles:
-                    f = stack.enter_context(open(e.file, "rb"))
-                    handles[e.file] = rt.FileHandle.wrap_fd(f.fileno())
-                index.add_from_file_handle(e.key, handles[e.file], e.n_bytes, e.offset, metadata=meta)
+                if e.file not in files:
+                    files[e.file] = stack.enter_context(open(e.file, "rb")).fileno()
+                sources.append((files[e.file], e.offset, str(e.file)))
+            slots.append(Slot(e.key, entry_metadata(e.dtype, e.shape).encode(), e.n_bytes))
             if progress is not None:
                 progress.update(e.n_bytes)
         scratch.flush()
-        index.add_buffer(METADATA_KEY, json.dumps(metadata).encode())
-        index.create_archive_file(str(out))
+        blob = json.dumps(metadata).encode()
 
+        def fill(fd: int, offsets: tuple[int, ...]) -> None:
+            for (src, offset, where), slot, dst in zip(sources, slots, offsets):
+                copy_range(src, offset, fd, dst, slot.length, where)
+            write_at(fd, blob, offsets[-1])
 
-def weight_entries(name: str, weight_type: str, shape: tuple[int, ...], raw: np.ndarray,
-                   file: Path | None = None, offset: int = 0) -> list[Entry]:
-    """The archive entries of one GGUF tensor given its raw bytes (and, for plain types, where
-    those bytes sit in `file`, so they are copied from disk rather than through memory)."""
-    if weight_type in PLAIN_TYPES:
-        dtype = getattr(torch, PLAIN_TYPES[weight_type][1])
-        if file is not None:
-            return [Entry(name, dtype, shape, file=file, offset=offset)]
-        return [Entry(name, dtype, shape, data=raw)]
-    block = BLOCK_TYPES[weight_type]
-    return [
-        Entry(f"{name}:{plane}", _NUMPY_TO_TORCH[arr.dtype], arr.shape, data=arr)
-        for plane, arr in block.unpack(raw, shape).items()
-    ]
+        write_slots(path, [*slots, Slot(METADATA_KEY, b"", len(blob))], fill)
 
 
 def index_metadata(index) -> dict[str, Any] | None:
