@@ -166,7 +166,7 @@ def test_archive_bytes_match_irees_builder(mixed_gguf, tmp_path, monkeypatch):
     """import_gguf lays the archive out itself (kernel copies, planes split a chunk at a time):
     the file is byte for byte the one IREE's archive builder writes from the same entries. The
     plane chunk is cut to 3 blocks so every quantized tensor is split over many chunks."""
-    import sharkport.archive.irpa as irpa
+    import sharkport.formats.irpa as irpa
 
     monkeypatch.setattr(irpa, "PLANE_CHUNK_BYTES", 3 * 34)
     metadata = import_gguf(mixed_gguf, tmp_path / "ours.irpa", progress=False)
@@ -199,7 +199,7 @@ def test_write_archive_bytes_match_irees_builder(tmp_path):
 def test_copy_range_each_way(tmp_path, copier):
     """Each way of copying a file range (and so each fallback) copies the right bytes between
     unaligned offsets; a source that ends early is a one-line error naming it."""
-    import sharkport.archive.irpa as irpa
+    import sharkport.formats.irpa as irpa
 
     src, dst = tmp_path / "src", tmp_path / "dst"
     data = np.random.default_rng(2).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
@@ -211,3 +211,34 @@ def test_copy_range_each_way(tmp_path, copier):
         with pytest.raises(SharkportError, match="src: the file ended 1000 bytes early"):
             irpa.copy_range(s.fileno(), 1000, other.fileno(), 0, len(data), "src", copiers=way)
     assert dst.read_bytes()[:7 + len(data) - 2000] == b"\xff" * 7 + data[1001:-999]
+
+
+def test_tensor_metadata_matches_torch():
+    """The torch-free tensor descriptions carry torch's own dtype attributes."""
+    from sharkport.formats.irpa import DTYPES, tensor_metadata
+
+    for name in DTYPES:
+        dtype = getattr(torch, name)
+        desc = json.loads(tensor_metadata(name, (2, 3)).removeprefix("PYTORCH:"))
+        assert desc["dtype_desc"] == {"class_name": type(dtype).__name__, "is_complex": dtype.is_complex,
+                                      "is_floating_point": dtype.is_floating_point, "is_signed": dtype.is_signed,
+                                      "itemsize": dtype.itemsize}
+
+
+def test_dump_gguf_save_loads_neither_torch_nor_iree(mixed_gguf, tmp_path):
+    """`dump_gguf --save` imports without torch or IREE (about a second of start-up between
+    them), and turbine reads what it wrote."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from sharkport.tools.dump_gguf import main; "
+            "assert main(['--gguf-file', sys.argv[1], '--save', sys.argv[2], '--quiet']) == 0; "
+            "print(sorted(m for m in ('torch', 'iree.runtime', 'iree.turbine') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, str(mixed_gguf), str(tmp_path / "x.irpa")],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    assert entries_shape(tmp_path / "x.irpa", "t.q8_0:qs") == (16, 8, 32)
+
+
+def entries_shape(irpa, key):
+    return tuple(dict(ParameterArchive(irpa).items())[key].as_tensor().shape)

@@ -3,7 +3,6 @@ or a Hugging Face checkpoint folder."""
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,10 +15,9 @@ from tqdm import tqdm
 from ..errors import SharkportError
 from ..formats.gguf import GgufFile, GgufTensor, read_gguf
 from ..formats.hf import HfCheckpoint, PlannedTensor, hf_tokenizer_files, read_hf
-from ..formats.names import gguf_rope_layout
-from ..quant import BLOCK_TYPES, PLAIN_TYPES, check_supported
-from .irpa import (_NUMPY_TO_TORCH, ARCHIVE_VERSION, METADATA_KEY, Entry, Slot, copy_planes, copy_range, entry_metadata,
-                   read_archive, write_archive, write_at, write_slots)
+from ..formats.gguf_import import gguf_archive_metadata, import_gguf
+from ..formats.irpa import tensor_layout
+from .irpa import ARCHIVE_VERSION, Entry, read_archive, write_archive
 from .tensors import QuantizedTensor, Theta, Weight, weight_from_raw
 
 __all__ = ["Dataset", "QuantizedTensor", "Theta", "Weight", "entries_of", "import_gguf", "import_hf",
@@ -88,85 +86,12 @@ def _is_gguf(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def gguf_archive_metadata(gg: GgufFile) -> dict[str, Any]:
-    """The archive metadata of a GGUF file; checks every tensor's type first, so an unsupported
-    file fails before anything is written."""
-    for t in gg.tensors:
-        check_supported(t.type_name, f"{gg.path}: tensor {t.name}")
-    hparams = {k: v for k, v in gg.metadata.items() if not k.startswith("tokenizer.")}
-    arch = hparams.get("general.architecture")
-    embd = next((t for t in gg.tensors if t.name == "token_embd.weight"), None)
-    if arch and f"{arch}.vocab_size" not in hparams and embd is not None:
-        hparams[f"{arch}.vocab_size"] = embd.shape[0]
-    return {
-        "sharkport_archive": ARCHIVE_VERSION,
-        "source": gg.path.name,
-        "hparams": hparams,
-        "tokenizer": {k: v for k, v in gg.metadata.items() if k.startswith("tokenizer.")},
-        # llama.cpp's converter permutes llama's Q/K so that rotary pairs are adjacent (interleaved).
-        "rope_layout": gguf_rope_layout(arch or ""),
-        "tensors": {t.name: _layout(t.type_name, t.shape) for t in gg.tensors},
-    }
-
-
-def _layout(type_name: str, shape: tuple[int, ...]) -> dict[str, Any]:
-    layout: dict[str, Any] = {"type": type_name, "shape": list(shape)}
-    if type_name in BLOCK_TYPES:
-        layout["planes"] = [f for f, _, _ in BLOCK_TYPES[type_name].fields]
-    return layout
-
-
 def _raw_bytes(t: GgufTensor) -> np.ndarray:
     return t.data.reshape(-1).view(np.uint8)
 
 
 def _gguf_weights(gg: GgufFile) -> dict[str, Weight]:
     return {t.name: weight_from_raw(t.type_name, t.shape, _raw_bytes(t)) for t in gg.tensors}
-
-
-def gguf_slots(gg: GgufFile) -> list[Slot]:
-    """The archive entries of a GGUF's tensors, in file order: a plain tensor under its name, a
-    quantized one as its planes `name:plane` in block-struct order."""
-    slots = []
-    for t in gg.tensors:
-        if t.type_name in PLAIN_TYPES:
-            dtype = getattr(torch, PLAIN_TYPES[t.type_name][1])
-            slots.append(Slot(t.name, entry_metadata(dtype, t.shape).encode(), t.n_bytes))
-            continue
-        for plane, (shape, dt) in BLOCK_TYPES[t.type_name].plane_shapes(t.shape).items():
-            n_bytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-            slots.append(Slot(f"{t.name}:{plane}", entry_metadata(_NUMPY_TO_TORCH[dt], shape).encode(), n_bytes))
-    return slots
-
-
-def import_gguf(gguf_file: str | os.PathLike | GgufFile, irpa_path: str | os.PathLike,
-                progress: bool = True) -> dict[str, Any]:
-    """GGUF → .irpa, streamed tensor by tensor and written atomically. Returns the metadata.
-    `gguf_file` is a path, or a file already read (`read_gguf`, maybe cut with `first_blocks`)."""
-    gg = gguf_file if isinstance(gguf_file, GgufFile) else read_gguf(gguf_file)
-    irpa_path = Path(irpa_path)
-    if irpa_path.exists() and irpa_path.resolve() == gg.path.resolve():
-        raise SharkportError(f"{irpa_path}: refusing to overwrite the input file; choose another --save path")
-    metadata = gguf_archive_metadata(gg)
-    slots = gguf_slots(gg)
-    blob = json.dumps(metadata).encode()
-
-    def fill(fd: int, offsets: tuple[int, ...]) -> None:
-        at = iter(offsets)
-        with open(gg.path, "rb") as f, tqdm(total=sum(t.n_bytes for t in gg.tensors), unit="B", unit_scale=True,
-                                            desc=f"import {gg.path.name}", disable=not progress) as bar:
-            for t in gg.tensors:
-                where = f"{gg.path}: tensor {t.name}"
-                if t.type_name in PLAIN_TYPES:  # copied in the kernel, not through this process's memory
-                    copy_range(f.fileno(), t.offset, fd, next(at), t.n_bytes, where)
-                else:
-                    block = BLOCK_TYPES[t.type_name]
-                    copy_planes(f.fileno(), t.offset, t.n_bytes, block, fd, [next(at) for _ in block.fields], where)
-                bar.update(t.n_bytes)
-        write_at(fd, blob, next(at))
-
-    write_slots(irpa_path, [*slots, Slot(METADATA_KEY, b"", len(blob))], fill)
-    return metadata
 
 
 def save_dataset(dataset: Dataset, irpa_path: str | os.PathLike, progress: bool = True) -> dict[str, Any]:
@@ -209,7 +134,7 @@ def hf_archive_metadata(ckpt: HfCheckpoint, plan: list[PlannedTensor]) -> dict[s
         "tokenizer": tokenizer_metadata_from_hf(hf_tokenizer_files(ckpt.path), ckpt.path),
         # HF llama checkpoints rotate (i, i + D/2) pairs; their Q/K rows are not permuted here.
         "rope_layout": "half",
-        "tensors": {p.name: _layout(p.type_name, p.shape) for p in plan},
+        "tensors": {p.name: tensor_layout(p.type_name, p.shape) for p in plan},
     }
 
 

@@ -1,4 +1,5 @@
-"""The parameter archive (.irpa): streamed, atomic writes and memory-mapped reads.
+"""The parameter archive (.irpa): streamed, atomic writes and memory-mapped reads. The file's bytes
+are laid out and written by `sharkport.formats.irpa` (no torch there; see its docstring).
 
 Layout (see DESIGN.md §2): plain tensors under their GGUF name, quantized ones as planes
 `<name>:<plane>`, every entry carrying turbine's `PYTORCH:` tensor metadata (so
@@ -9,33 +10,23 @@ entry `METADATA_KEY` with the hyperparameters, tokenizer, rotary layout and tens
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
-import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable
 
 import numpy as np
 import torch
 
 from ..errors import SharkportError
-from ..fileio import atomic_output
-from ..quant import PLAIN_TYPES, BlockType
+from ..formats.irpa import ARCHIVE_VERSION, METADATA_KEY, Slot, copy_range, tensor_metadata, write_at, write_slots
+
+__all__ = ["ARCHIVE_VERSION", "METADATA_KEY", "Entry", "entry_metadata", "write_archive", "index_metadata", "read_archive"]
+from ..quant import PLAIN_TYPES
 from .tensors import QuantizedTensor, Weight
 
-METADATA_KEY = "__sharkport__"
-ARCHIVE_VERSION = 1
-
-_NUMPY_TO_TORCH = {
-    np.dtype(np.float32): torch.float32,
-    np.dtype(np.float16): torch.float16,
-    np.dtype(np.int8): torch.int8,
-    np.dtype(np.uint8): torch.uint8,
-    np.dtype(np.int32): torch.int32,
-}
 _TORCH_NAMES = {
     torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
     torch.int8: "int8", torch.uint8: "uint8", torch.int32: "int32",
@@ -62,179 +53,7 @@ class Entry:
 
 def entry_metadata(dtype: torch.dtype, shape: tuple[int, ...]) -> str:
     """turbine's per-entry tensor description (the format `ParameterArchiveEntry.as_tensor` reads)."""
-    desc = {
-        "type": "Tensor",
-        "dtype": _TORCH_NAMES[dtype],
-        "shape": list(shape),
-        "dtype_desc": {
-            "class_name": type(dtype).__name__,
-            "is_complex": dtype.is_complex,
-            "is_floating_point": dtype.is_floating_point,
-            "is_signed": dtype.is_signed,
-            "itemsize": dtype.itemsize,
-        },
-    }
-    return "PYTORCH:" + json.dumps(desc)
-
-
-# --- The archive's bytes. IREE's parameter archive v0 (iree/schemas/parameter_archive.h), laid out
-# exactly as IREE's own builder (iree_io_build_parameter_archive) lays it out: tests compare the
-# bytes. sharkport writes them itself because IREE's builder copies through 32 KiB read/write
-# pairs and then fsyncs the whole file, which bounded a 2.2 GB import at ~0.5 GB/s.
-_MAGIC = 0x41505249  # "IRPA"
-_HEADER = struct.Struct("<IHHQQQQ6Q")  # magic, version 0.0, header size, next header, flags; entry count; 3 ranges
-_DATA_ENTRY = struct.Struct("<QIQ4QQ2Q")  # entry size, type, flags, name ref, metadata ref, min alignment, storage ref
-_TYPE_DATA = 2
-_ENTRY_ALIGN, _DATA_ALIGN, _FILE_ALIGN = 16, 64, 4096
-
-
-def _align(x: int, a: int) -> int:
-    return (x + a - 1) // a * a
-
-
-@dataclass(frozen=True)
-class Slot:
-    """One archive entry before its bytes exist: key, metadata and length."""
-
-    key: str
-    metadata: bytes
-    length: int
-
-
-@dataclass(frozen=True)
-class ArchiveLayout:
-    """Where everything of an archive goes: `head` is the file's first bytes (header, entry table,
-    metadata segment), `offsets[i]` the absolute file offset of slot i's data, `size` the file size."""
-
-    head: bytes
-    offsets: tuple[int, ...]
-    size: int
-
-
-def archive_layout(slots: Sequence[Slot]) -> ArchiveLayout:
-    """The layout of an archive holding `slots` in order (all as data entries, 64-byte aligned)."""
-    entry_seg = (_align(_HEADER.size, _ENTRY_ALIGN), 80 * len(slots) - 4 if slots else 0)
-    assert _align(_DATA_ENTRY.size, _ENTRY_ALIGN) == 80 and _DATA_ENTRY.size == 76
-    meta_seg = (entry_seg[0] + entry_seg[1], sum(len(s.key.encode()) + len(s.metadata) for s in slots))
-    storage_offset = _align(sum(meta_seg), _DATA_ALIGN if slots else 1)
-    relative, storage_len = [], 0
-    for s in slots:
-        relative.append(_align(storage_len, _DATA_ALIGN))
-        storage_len = relative[-1] + s.length
-    head = bytearray(sum(meta_seg))
-    _HEADER.pack_into(head, 0, _MAGIC, 0, 0, _HEADER.size, 0, 0, len(slots),
-                      *entry_seg, *meta_seg, storage_offset, storage_len)
-    names = bytearray()
-    for i, (s, rel) in enumerate(zip(slots, relative)):
-        key = s.key.encode()
-        name_ref = (len(names), len(key))
-        meta_ref = (len(names) + len(key) if s.metadata else 0, len(s.metadata))
-        names += key + s.metadata
-        _DATA_ENTRY.pack_into(head, entry_seg[0] + 80 * i, _DATA_ENTRY.size, _TYPE_DATA, 0,
-                              *name_ref, *meta_ref, _DATA_ALIGN, rel, s.length)
-    head[meta_seg[0]:] = names
-    return ArchiveLayout(bytes(head), tuple(storage_offset + r for r in relative),
-                         _align(storage_offset + storage_len, _FILE_ALIGN))
-
-
-def write_slots(path: str | os.PathLike, slots: Sequence[Slot], fill: Callable[[int, tuple[int, ...]], None]) -> None:
-    """Writes an archive atomically: lays out `slots`, then `fill(fd, offsets)` writes each slot's
-    bytes at its offset (pwrite or kernel copies; anything not written stays zero). No fsync:
-    the rename makes it appear whole, and a kill leaves only the hidden temporary file."""
-    layout = archive_layout(slots)
-    with atomic_output(path) as tmp:
-        fd = os.open(tmp, os.O_RDWR)
-        try:
-            os.ftruncate(fd, layout.size)
-            write_at(fd, layout.head, 0)
-            fill(fd, layout.offsets)
-        finally:
-            os.close(fd)
-
-
-def write_at(fd: int, data, offset: int) -> None:
-    """pwrite all of `data` (bytes or a contiguous array) at `offset`."""
-    view = memoryview(data)
-    view = view if view.ndim == 1 and view.format == "B" else view.cast("B")
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
-
-
-def _copy_file_range(src: int, dst: int, n: int, src_offset: int, dst_offset: int) -> int:
-    return os.copy_file_range(src, dst, n, src_offset, dst_offset)
-
-
-def _sendfile(src: int, dst: int, n: int, src_offset: int, dst_offset: int) -> int:
-    os.lseek(dst, dst_offset, os.SEEK_SET)
-    return os.sendfile(dst, src, src_offset, n)
-
-
-def _pread_pwrite(src: int, dst: int, n: int, src_offset: int, dst_offset: int) -> int:
-    data = os.pread(src, min(n, 8 << 20), src_offset)
-    return os.pwrite(dst, data, dst_offset) if data else 0
-
-
-# Ways to copy a file range, fastest first: in-kernel copies, then through a buffer. Each later one
-# is used when the kernel or the pair of filesystems refuses the earlier (copy_file_range across
-# filesystems: EXDEV on Linux >= 5.19).
-COPIERS = (_copy_file_range, _sendfile, _pread_pwrite)
-_UNSUPPORTED = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF, errno.ESPIPE}
-
-
-def copy_range(src: int, src_offset: int, dst: int, dst_offset: int, n: int, where: str,
-               copiers=COPIERS) -> None:
-    """Copies n bytes from file descriptor `src` at `src_offset` to `dst` at `dst_offset`, in the
-    kernel where it can (no pass through this process's memory). `where` names the source."""
-    done = 0
-    for copy in copiers:
-        try:
-            while done < n:
-                k = copy(src, dst, n - done, src_offset + done, dst_offset + done)
-                if k == 0:
-                    raise SharkportError(f"{where}: the file ended {n - done} bytes early (was it changed "
-                                         "while being read?); re-download it")
-                done += k
-            return
-        except (OSError, AttributeError) as e:  # AttributeError: this os has no such call
-            if isinstance(e, OSError) and e.errno not in _UNSUPPORTED:
-                raise
-    raise SharkportError(f"{where}: no way to copy from this file worked")  # pread/pwrite never refuses
-
-
-def read_at(fd: int, out: np.ndarray, offset: int, where: str) -> None:
-    """Fills the contiguous 1-D uint8 array `out` from `fd` at `offset`."""
-    view = memoryview(out)
-    while view:
-        n = os.preadv(fd, [view], offset)
-        if n == 0:
-            raise SharkportError(f"{where}: the file ended {len(view)} bytes early (was it changed while "
-                                 "being read?); re-download it")
-        view, offset = view[n:], offset + n
-
-
-PLANE_CHUNK_BYTES = 2 << 20  # GGUF blocks split per step: fits in cache, and memory stays flat
-
-
-def copy_planes(src: int, src_offset: int, n_bytes: int, block: BlockType, dst: int, dst_offsets: list[int], where: str) -> None:
-    """Splits the `n_bytes` of blocks at `src_offset` in file `src` into their planes, written at
-    `dst_offsets` (one per field, in struct order) in file `dst`: a bounded chunk of blocks at a
-    time, read with a plain read (mapped pages would stay resident) into reused buffers."""
-    struct_ = block.struct
-    per = max(1, PLANE_CHUNK_BYTES // struct_.itemsize)
-    raw = np.empty(per * struct_.itemsize, np.uint8)
-    widths = [np.dtype(dt).itemsize * count for _, dt, count in block.fields]
-    outs = [np.empty(per * w, np.uint8) for w in widths]
-    n_blocks = n_bytes // struct_.itemsize
-    for start in range(0, n_blocks, per):
-        k = min(per, n_blocks - start)
-        chunk = raw[:k * struct_.itemsize]
-        read_at(src, chunk, src_offset + start * struct_.itemsize, where)
-        blocks = chunk.view(struct_)
-        for (field, dt, count), w, out, dst_offset in zip(block.fields, widths, outs, dst_offsets):
-            plane = out[:k * w].view(dt)
-            np.copyto(plane.reshape(k, count) if count > 1 else plane, blocks[field])
-            write_at(dst, out[:k * w], dst_offset + start * w)
+    return tensor_metadata(_TORCH_NAMES[dtype], shape)
 
 
 def write_archive(path: str | os.PathLike, entries: Iterable[Entry], metadata: dict[str, Any],

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import functools
 import re
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 from ..errors import SharkportError
 
