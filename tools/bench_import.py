@@ -2,22 +2,30 @@
 """Import throughput and peak memory of `dump_gguf --save` on big GGUF files:
 
     python tools/bench_import.py [--work-dir artifacts/bench_import] [--layers 22] [--types F16,Q8_0]
+        [--repeat 5] [--baseline REV]
 
 Writes (once, then reuses) a random-weight llama of TinyLlama-1.1B's shape (hidden 2048, ffn 5632,
 32 heads / 4 kv heads, vocab 32000, 22 layers: 1.1B parameters) as one GGUF per type, streamed
 through gguf.GGUFWriter; then runs `python -m sharkport.tools.dump_gguf --gguf-file X --save Y
---quiet` in a fresh process per file and reports MB/s of GGUF imported, and the process's peak
-RSS against the largest tensor. The page cache is not dropped (no root here): the first
-column of a cold run includes reading the file from disk.
+--quiet` in a fresh process per import and reports the issue's numbers: GB/s of GGUF imported
+(the whole command's wall time, interpreter start-up included) and the process's peak RSS
+(VmHWM) minus the largest tensor. With `--baseline REV` (a git revision), the sharkport of REV
+runs too, interleaved with the working tree's (REV, now, REV, now, ...), for a side-by-side
+before/after on the same machine state. The page cache is not dropped (no root here): the
+GGUF is read from memory once it has been read once; the archive is written to the page cache
+and deleted after each run (the kernel writes it back to disk in the background meanwhile).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,6 +34,7 @@ import numpy as np
 
 HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 2048, 5632, 32, 4, 32000
 HEAD_DIM = HIDDEN // HEADS
+REPO = Path(__file__).resolve().parents[1]
 
 
 def shapes(layers: int) -> dict[str, tuple[int, ...]]:
@@ -90,20 +99,43 @@ def write_model(path: Path, type_name: str, layers: int) -> None:
     os.replace(tmp, path)
 
 
-def measure(gguf_path: Path, irpa: Path) -> dict:
-    """One import in a fresh process: wall seconds and the child's peak RSS (MiB)."""
+def measure(gguf_path: Path, irpa: Path, pythonpath: str = str(REPO), keep: bool = False) -> dict:
+    """One import in a fresh process: the command's wall seconds and its peak RSS (MiB). The RSS
+    is the child's VmHWM, not ru_maxrss: Linux carries ru_maxrss across exec, so a child of this
+    (big, after writing the GGUFs) process would report the parent's peak."""
     code = (
-        "import resource, runpy, sys, time\n"
+        "import runpy, sys\n"
         f"sys.argv = ['dump_gguf', '--gguf-file', {str(gguf_path)!r}, '--save', {str(irpa)!r}, '--quiet']\n"
-        "t0 = time.perf_counter()\n"
         "try:\n    runpy.run_module('sharkport.tools.dump_gguf', run_name='__main__')\n"
         "except SystemExit as e:\n    assert not e.code, e.code\n"
-        "print(time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+        "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
-    seconds, rss_kib = out.split()[-2:]
-    irpa.unlink()
-    return {"seconds": float(seconds), "peak_rss_mib": int(rss_kib) / 1024}
+    # Run in the work dir, not the checkout, so the sharkport on PYTHONPATH is the one imported.
+    env = {**os.environ, "PYTHONPATH": pythonpath}
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env,
+                         cwd=irpa.parent).stdout
+    seconds = time.perf_counter() - t0
+    if not keep:
+        irpa.unlink()
+    return {"seconds": seconds, "peak_rss_mib": int(out.split()[-1]) / 1024}
+
+
+def export_revision(rev: str, into: Path) -> str:
+    """The `sharkport` package of git revision `rev`, extracted under `into` (for PYTHONPATH)."""
+    archive = subprocess.run(["git", "archive", rev, "sharkport"], check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    return str(into)
+
+
+
+def summarize(label: str, type_name: str, size: int, largest_mib: float, runs: list[dict]) -> dict:
+    seconds = sorted(r["seconds"] for r in runs)[len(runs) // 2]
+    peak = max(r["peak_rss_mib"] for r in runs)
+    return {"code": label, "type": type_name, "gguf_gb": size / 1e9, "seconds": seconds, "gb_s": size / 1e9 / seconds,
+            "all_seconds": [round(r["seconds"], 2) for r in runs], "peak_rss_mib": peak,
+            "largest_tensor_mib": largest_mib, "peak_minus_largest_mib": peak - largest_mib}
 
 
 def main() -> int:
@@ -111,34 +143,47 @@ def main() -> int:
     parser.add_argument("--work-dir", type=Path, default=Path("artifacts/bench_import"))
     parser.add_argument("--layers", type=int, default=22)
     parser.add_argument("--types", default="F16,Q8_0")
-    parser.add_argument("--repeat", type=int, default=3, help="imports per file; the median is reported")
+    parser.add_argument("--repeat", type=int, default=5, help="imports per file (and code); the median is reported")
+    parser.add_argument("--baseline", metavar="REV", help="also time the sharkport of this git revision, interleaved")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="keep the archive between runs, so each import replaces an existing one (on ext4 "
+                             "a rename over an existing file starts the new one's writeback, and the old one is freed)")
     args = parser.parse_args()
+    args.work_dir = args.work_dir.resolve()
     args.work_dir.mkdir(parents=True, exist_ok=True)
 
     rows = []
-    for type_name in args.types.split(","):
-        path = args.work_dir / f"random-1b-{args.layers}l-{type_name.lower()}.gguf"
-        if not path.exists():
-            t0 = time.perf_counter()
-            write_model(path, type_name, args.layers)
-            print(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t0:.0f} s", flush=True)
-        size = path.stat().st_size
-        runs = [measure(path, args.work_dir / "out.irpa") for _ in range(args.repeat)]
-        seconds = sorted(r["seconds"] for r in runs)[len(runs) // 2]
-        peak = max(r["peak_rss_mib"] for r in runs)
-        largest = max(int(np.prod(s)) for s in shapes(args.layers).values())
-        largest_mib = largest * (2 if type_name == "F16" else 34 / 32) / 2**20
-        rows.append({"type": type_name, "gguf_gb": size / 1e9, "seconds": seconds, "mb_s": size / 1e6 / seconds,
-                     "all_seconds": [round(r["seconds"], 2) for r in runs], "peak_rss_mib": peak,
-                     "largest_tensor_mib": largest_mib})
-        print(json.dumps(rows[-1]), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        codes = {"now": str(REPO)}
+        if args.baseline:
+            codes = {args.baseline: export_revision(args.baseline, Path(tmp) / "baseline"), "now": str(REPO)}
+        for type_name in args.types.split(","):
+            path = args.work_dir / f"random-1b-{args.layers}l-{type_name.lower()}.gguf"
+            if not path.exists():
+                t0 = time.perf_counter()
+                write_model(path, type_name, args.layers)
+                print(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t0:.0f} s", flush=True)
+            size = path.stat().st_size
+            largest = max(int(np.prod(s)) for s in shapes(args.layers).values())
+            largest_mib = largest * (2 if type_name == "F16" else 34 / 32) / 2**20
+            out = args.work_dir / "out.irpa"
+            measure(path, out, keep=args.overwrite)  # warm-up: the GGUF into the page cache
+            runs: dict[str, list[dict]] = {label: [] for label in codes}
+            for _ in range(args.repeat):
+                for label, pythonpath in codes.items():
+                    runs[label].append(measure(path, out, pythonpath, keep=args.overwrite))
+            out.unlink(missing_ok=True)
+            for label in codes:
+                rows.append(summarize(label, type_name, size, largest_mib, runs[label]))
+                print(json.dumps(rows[-1]), flush=True)
 
-    print("\n| file | size | import (median of %d) | throughput | peak RSS | largest tensor |" % args.repeat)
+    what = "over an existing archive" if args.overwrite else "to a new path"
+    print(f"\nimport {what}:\n| file | code | import (median of {args.repeat}) | throughput | peak RSS | minus largest tensor |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| random 1.1B llama, {r['type']} | {r['gguf_gb']:.2f} GB | {r['seconds']:.1f} s "
-              f"({', '.join(map(str, r['all_seconds']))}) | {r['mb_s']:.0f} MB/s | {r['peak_rss_mib']:.0f} MiB | "
-              f"{r['largest_tensor_mib']:.0f} MiB |")
+        print(f"| random 1.1B llama, {r['type']} ({r['gguf_gb']:.2f} GB) | {r['code']} | {r['seconds']:.2f} s "
+              f"({', '.join(map(str, r['all_seconds']))}) | {r['gb_s']:.2f} GB/s | {r['peak_rss_mib']:.0f} MiB | "
+              f"{r['peak_minus_largest_mib']:.0f} MiB (largest {r['largest_tensor_mib']:.0f} MiB) |")
     return 0
 
 
