@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from iree.turbine import aot
 from iree.turbine.aot import ExternalTensorTrait, FxProgramsBuilder
+from iree.turbine.aot.decompositions import current_aot_decompositions, extend_aot_decompositions
 
 from ..archive import Dataset, QuantizedTensor
 from ..fileio import atomic_output
@@ -68,7 +69,30 @@ def trace_programs(model: CausalLM, config: ExportConfig, program_args) -> aot.E
     module. `program_args(kind, bs)` gives each function's example args, dynamic shapes and
     argument devices (None: one device)."""
     fxb = FxProgramsBuilder(model)
+    decompositions = current_aot_decompositions()
+    # turbine decomposes each program right after tracing it when its table is not empty; with an
+    # empty one it does not, and the dtype asserts are erased before decomposing (below).
+    with extend_aot_decompositions(from_current=False):
+        _trace_all(fxb, config, program_args)
+    for target in fxb.programs.values():
+        target.target = without_dtype_asserts(target.target).run_decompositions(decompositions)
+    with torch.no_grad():
+        return aot.export(fxb)
 
+
+def without_dtype_asserts(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """Erases (in place) the `aten._assert_tensor_metadata` node torch.export puts before every
+    `.to(dtype)`: a runtime check of the dtype the trace already knows, 11% of SmolLM2's exported
+    ops, each costing decomposition and import time and computing nothing."""
+    graph = program.graph_module.graph
+    for node in list(graph.nodes):
+        if node.target is torch.ops.aten._assert_tensor_metadata.default and not node.users:
+            graph.erase_node(node)
+    program.graph_module.recompile()
+    return program
+
+
+def _trace_all(fxb: FxProgramsBuilder, config: ExportConfig, program_args) -> None:
     for bs in config.bs_prefill:
         args, shapes, devices = program_args("prefill", bs)
 
@@ -84,9 +108,6 @@ def trace_programs(model: CausalLM, config: ExportConfig, program_args) -> aot.E
                             arg_device=devices)
         def _decode(module, tokens, seq_lens, start_positions, seq_block_ids, cache_state):
             return module.decode(tokens, seq_lens, start_positions, seq_block_ids, cache_state)
-
-    with torch.no_grad():
-        return aot.export(fxb)
 
 
 def save_export(output: aot.ExportOutput, service: ServiceConfig,
