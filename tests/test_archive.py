@@ -242,3 +242,23 @@ def test_dump_gguf_save_loads_neither_torch_nor_iree(mixed_gguf, tmp_path):
 
 def entries_shape(irpa, key):
     return tuple(dict(ParameterArchive(irpa).items())[key].as_tensor().shape)
+
+
+def test_atomic_output_over_an_existing_file(tmp_path):
+    """Publishing over an existing file swaps the names (RENAME_EXCHANGE) and deletes the old
+    one: the new bytes are in place, nothing else is left, hard links to the old file keep the
+    old bytes (it was replaced, not rewritten), and a directory in the way is still an error."""
+    from sharkport.fileio import atomic_output
+
+    target = tmp_path / "x.irpa"
+    target.write_bytes(b"old")
+    (tmp_path / "link").hardlink_to(target)
+    with atomic_output(target, swap=True) as tmp:
+        tmp.write_bytes(b"new")
+    assert target.read_bytes() == b"new" and (tmp_path / "link").read_bytes() == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "x.irpa"]
+    (tmp_path / "d").mkdir()
+    with pytest.raises(OSError):
+        with atomic_output(tmp_path / "d", swap=True) as tmp:
+            tmp.write_bytes(b"new")
+    assert (tmp_path / "d").is_dir() and sorted(p.name for p in tmp_path.iterdir()) == ["d", "link", "x.irpa"]

@@ -118,9 +118,10 @@ def archive_layout(slots: Sequence[Slot]) -> ArchiveLayout:
 def write_slots(path: str | os.PathLike, slots: Sequence[Slot], fill: Callable[[int, tuple[int, ...]], None]) -> None:
     """Writes an archive atomically: lays out `slots`, then `fill(fd, offsets)` writes each slot's
     bytes at its offset (pwrite or kernel copies; anything not written stays zero). No fsync:
-    the rename makes it appear whole, and a kill leaves only the hidden temporary file."""
+    the rename makes it appear whole, and a kill leaves only the hidden temporary file. An
+    existing archive is swapped out, not renamed over (`fileio.swap_in`)."""
     layout = archive_layout(slots)
-    with atomic_output(path) as tmp:
+    with atomic_output(path, swap=True) as tmp:
         fd = os.open(tmp, os.O_RDWR)
         try:
             os.ftruncate(fd, layout.size)
