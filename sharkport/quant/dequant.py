@@ -20,8 +20,17 @@ def _scale(t: torch.Tensor) -> torch.Tensor:
 def _bits(x: torch.Tensor, start: int, step: int, mask: int) -> torch.Tensor:
     """uint8 [..., n] → [..., k, n]: field j is `(x >> (start + j*step)) & mask`, for every
     shift below 8. Shifts by Python ints: torch-mlir lowers neither a uint8 `arange` nor a
-    shift by a tensor, so the traced program only holds scalar shifts."""
-    return torch.stack([(x >> shift) & mask for shift in range(start, 8, step)], dim=-2)
+    shift by a tensor, so the traced program only holds scalar shifts. A shift by 0, and a mask
+    keeping every bit a uint8 shift left, are not written (each traced op costs export time)."""
+    return torch.stack([_field(x, shift, mask) for shift in range(start, 8, step)], dim=-2)
+
+
+def _field(x: torch.Tensor, shift: int, mask: int) -> torch.Tensor:
+    """`(x >> shift) & mask` without the no-op steps."""
+    if shift:
+        x = x >> shift
+    full = x.dtype == torch.uint8 and mask >= 0xFF >> shift  # a logical shift cleared the rest
+    return x if full else x & mask
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
