@@ -2,7 +2,7 @@
 """Import throughput and peak memory of `dump_gguf --save` on big GGUF files:
 
     python tools/bench_import.py [--work-dir artifacts/bench_import] [--layers 22] [--types F16,Q8_0]
-        [--repeat 5] [--baseline REV]
+        [--repeat 5] [--baseline REV] [--overwrite]
 
 Writes (once, then reuses) a random-weight llama of TinyLlama-1.1B's shape (hidden 2048, ffn 5632,
 32 heads / 4 kv heads, vocab 32000, 22 layers: 1.1B parameters) as one GGUF per type, streamed
@@ -11,9 +11,11 @@ through gguf.GGUFWriter; then runs `python -m sharkport.tools.dump_gguf --gguf-f
 (the whole command's wall time, interpreter start-up included) and the process's peak RSS
 (VmHWM) minus the largest tensor. With `--baseline REV` (a git revision), the sharkport of REV
 runs too, interleaved with the working tree's (REV, now, REV, now, ...), for a side-by-side
-before/after on the same machine state. The page cache is not dropped (no root here): the
-GGUF is read from memory once it has been read once; the archive is written to the page cache
-and deleted after each run (the kernel writes it back to disk in the background meanwhile).
+before/after on the same machine state; a row "copy_file_range (ceiling)" times copying the
+whole GGUF to a new file in-kernel, interleaved too. The page cache is not dropped (no root
+here): the GGUF is read from memory once it has been read once; the archive is written to the
+page cache and deleted after each run (the kernel writes it back to disk in the background
+meanwhile), or with `--overwrite` left for the next run to replace.
 """
 
 from __future__ import annotations
@@ -121,6 +123,20 @@ def measure(gguf_path: Path, irpa: Path, pythonpath: str = str(REPO), keep: bool
     return {"seconds": seconds, "peak_rss_mib": int(out.split()[-1]) / 1024}
 
 
+def copy_whole(gguf_path: Path, out: Path) -> dict:
+    """The ceiling: the whole GGUF copied to a new file by copy_file_range, in this process (no
+    start-up, no layout), timed to the end of the copy; the copy is then deleted."""
+    n = gguf_path.stat().st_size
+    t0 = time.perf_counter()
+    with open(gguf_path, "rb") as src, open(out, "wb") as dst:
+        done = 0
+        while done < n:
+            done += os.copy_file_range(src.fileno(), dst.fileno(), n - done)
+    seconds = time.perf_counter() - t0
+    out.unlink()
+    return {"seconds": seconds, "peak_rss_mib": float("nan")}
+
+
 def export_revision(rev: str, into: Path) -> str:
     """The `sharkport` package of git revision `rev`, extracted under `into` (for PYTHONPATH)."""
     archive = subprocess.run(["git", "archive", rev, "sharkport"], check=True, capture_output=True).stdout
@@ -168,12 +184,13 @@ def main() -> int:
             largest_mib = largest * (2 if type_name == "F16" else 34 / 32) / 2**20
             out = args.work_dir / "out.irpa"
             measure(path, out, keep=args.overwrite)  # warm-up: the GGUF into the page cache
-            runs: dict[str, list[dict]] = {label: [] for label in codes}
+            runs: dict[str, list[dict]] = {label: [] for label in [*codes, "copy_file_range (ceiling)"]}
             for _ in range(args.repeat):
                 for label, pythonpath in codes.items():
                     runs[label].append(measure(path, out, pythonpath, keep=args.overwrite))
+                runs["copy_file_range (ceiling)"].append(copy_whole(path, args.work_dir / "copy.tmp"))
             out.unlink(missing_ok=True)
-            for label in codes:
+            for label in runs:
                 rows.append(summarize(label, type_name, size, largest_mib, runs[label]))
                 print(json.dumps(rows[-1]), flush=True)
 
