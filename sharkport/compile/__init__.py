@@ -54,7 +54,9 @@ def compile_mlir(mlir_path: str | os.PathLike, vmfb_path: str | os.PathLike,
     flags used."""
     import iree.compiler  # loaded on use, so importing TARGETS stays cheap
 
-    flags = compile_flags(target, extra_flags, devices)
+    from ..kernels import compile_flags_for
+
+    flags = compile_flags(target, extra_flags, devices) + compile_flags_for(mlir_path)
     with atomic_output(vmfb_path) as tmp:
         try:
             iree.compiler.compile_file(str(mlir_path), output_file=str(tmp), extra_args=flags)

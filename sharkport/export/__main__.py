@@ -57,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-final-logits", action="store_true",
                         help="prefill returns only each sequence's last logits [N, 1, V], skipping the "
                              "output projection of the other positions")
+    parser.add_argument("--matvec-kernels", action="store_true",
+                        help="decode multiplies by Q8_0/Q4_0/Q4_1/F16 weights as stored, with hand-written "
+                             "x86-64 kernels (AVX2) built by the system C compiler and linked by iree-compile "
+                             "(about 2x faster decode on llvm-cpu; docs/performance.md). The MLIR then "
+                             "compiles only for x86-64 CPUs")
     parser.add_argument("--target", choices=list(TARGETS), default="llvm-cpu",
                         help="compile target preset for --output-vmfb (default llvm-cpu: the host CPU, "
                              "weights dequantized and packed at load, 4 bytes each in memory; "
@@ -78,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     from . import export_model, save_export
     from .abi import ExportConfig
 
+    if args.matvec_kernels:  # builds the kernels' object now: a missing C compiler fails before the export
+        from ..kernels import object_path
+
+        object_path()
     dataset = load_dataset(args)
     sharded = open_or_shard(dataset, args.tensor_parallelism_size, args.output_irpa, _log)  # None: unsharded
     if args.output_tokenizer_dir:  # first: it is quick and fails before the slow export does
@@ -90,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     if max_seq_len is None:
         max_seq_len = LlamaHParams.from_metadata(dataset.hparams).context_length // stride * stride
     config = ExportConfig(bs_prefill=args.bs_prefill, bs_decode=args.bs_decode, block_seq_stride=stride,
-                          device_block_count=args.device_block_count, max_seq_len=max_seq_len)
+                          device_block_count=args.device_block_count, max_seq_len=max_seq_len,
+                          matvec_kernels=args.matvec_kernels)
     model_config = ModelConfig(block_seq_stride=stride, dtype=getattr(torch, args.activation_dtype),
                                kv_cache_dtype=getattr(torch, args.kv_cache_dtype),
                                prefill_final_logits=args.prefill_final_logits)

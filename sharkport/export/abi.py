@@ -24,6 +24,8 @@ class ExportConfig:
     block_seq_stride: int = 32
     device_block_count: int = 256
     max_seq_len: int = 2048
+    # decode's products with Q8_0/Q4_0/Q4_1/F16 weights through sharkport.kernels (x86-64 CPUs)
+    matvec_kernels: bool = False
 
     def __post_init__(self):
         for flag, sizes in (("--bs-prefill", self.bs_prefill), ("--bs-decode", self.bs_decode)):

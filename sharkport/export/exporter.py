@@ -11,6 +11,7 @@ from iree.turbine import aot
 from iree.turbine.aot import ExternalTensorTrait, FxProgramsBuilder
 from iree.turbine.aot.decompositions import current_aot_decompositions, extend_aot_decompositions
 
+from .. import kernels
 from ..archive import Dataset, QuantizedTensor
 from ..fileio import atomic_output
 from ..models import CausalLM, ModelConfig, build_model
@@ -67,12 +68,13 @@ def export_model(dataset: Dataset, config: ExportConfig,
 def trace_programs(model: CausalLM, config: ExportConfig, program_args) -> aot.ExportOutput:
     """Traces `model`'s prefill_bs{N} and decode_bs{N} for the config's batch sizes into one MLIR
     module. `program_args(kind, bs)` gives each function's example args, dynamic shapes and
-    argument devices (None: one device)."""
+    argument devices (None: one device). With `config.matvec_kernels`, decode's products with
+    Q8_0/Q4_0/Q4_1/F16 weights call sharkport.kernels."""
     fxb = FxProgramsBuilder(model)
     decompositions = current_aot_decompositions()
     # turbine decomposes each program right after tracing it when its table is not empty; with an
     # empty one it does not, and the dtype asserts are erased before decomposing (below).
-    with extend_aot_decompositions(from_current=False):
+    with extend_aot_decompositions(from_current=False), kernels.enabled(config.matvec_kernels):
         _trace_all(fxb, config, program_args)
     for target in fxb.programs.values():
         target.target = without_dtype_asserts(target.target).run_decompositions(decompositions)

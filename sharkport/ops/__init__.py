@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from .. import kernels
 from ..archive.tensors import QuantizedTensor, Weight
 
 
@@ -25,8 +26,12 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
 
     Leading dims are flattened so the product is a 2-D mm: traced as a 3-D matmul it becomes a
     batch matmul over a broadcast copy of the weight, 7x slower in IREE (64 tokens through
-    SmolLM2's 49152x576 output: 11.8 s vs 1.7 s)."""
-    y = torch.mm(x.reshape(-1, x.shape[-1]), dense(w, x.dtype).transpose(0, 1))
+    SmolLM2's 49152x576 output: 11.8 s vs 1.7 s). While exporting with matvec kernels, products
+    over a few static rows (decode) read quantized and float16 weights as stored (sharkport.kernels)."""
+    rows = x.reshape(-1, x.shape[-1])
+    y = kernels.matvec(rows, w)
+    if y is None:
+        y = torch.mm(rows, dense(w, x.dtype).transpose(0, 1))
     y = y.reshape(*x.shape[:-1], y.shape[-1])
     return y if bias is None else y + cast(bias, x.dtype)
 

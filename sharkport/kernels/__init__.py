@@ -1,0 +1,137 @@
+"""Hand-written CPU kernels linked into exported modules (IREE custom dispatches).
+
+`matvec.c` computes x [M, K] @ w[N, K].T for a few rows M (decode) reading w as stored: Q8_0,
+Q4_0 and Q4_1 planes or float16. IREE 3.9 generates no code that multiplies by quantized weights
+at memory speed (docs/performance.md), so with `ExportConfig.matvec_kernels` the exporter routes
+those products through these kernels: the C file is compiled by the system C compiler (`$CC`,
+else `cc`) for x86-64 with AVX2, FMA and F16C, and the object is embedded in the MLIR, so
+iree-compile, iree-run-module and the runner need nothing more. Products over a dynamic number of
+rows (prefill) keep the traced dequantize-and-`mm` form.
+
+Under tracing each kernel is a turbine custom op whose body is a `flow.dispatch` of a
+`stream.executable` that calls the C function once per workgroup of `ROWS` outputs
+(`kernels.ops`, loaded on use: compiling needs only this module). Eagerly the ops compute the
+same product with torch."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from functools import cache
+from pathlib import Path
+
+from ..errors import SharkportError
+
+SOURCE = Path(__file__).with_name("matvec.c")
+ROWS = 32  # outputs per workgroup; matvec.c's ROWS
+MAX_ROWS = 8  # products over more rows of x keep the traced form (prefill, large batches)
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffreestanding", "-fPIC", "-fno-stack-protector",
+          "-fno-asynchronous-unwind-tables", "-fno-plt", "-fvisibility=hidden", "-std=c11"]
+# plane order of each kernel's arguments after x (sharkport.quant's plane names)
+PLANES = {"Q8_0": ("qs", "d"), "Q4_0": ("qs", "d"), "Q4_1": ("qs", "d", "m"), "F16": ("w",)}
+# elements of each buffer the C function receives (x, the planes, y), as (factor, divisor) of
+# products of M, N and K: x is M*K floats, Q8_0's qs N*K bytes, a block scale plane N*K/32, ...
+SIZES = {"Q8_0": ("mk", ("nk", 1), ("nk", 32), "mn"), "Q4_0": ("mk", ("nk", 2), ("nk", 32), "mn"),
+         "Q4_1": ("mk", ("nk", 2), ("nk", 32), ("nk", 32), "mn"), "F16": ("mk", ("nk", 1), "mn")}
+
+_enabled = False
+
+
+@contextlib.contextmanager
+def enabled(on: bool = True):
+    """Within this block (the exporter's tracing), `linear` uses the kernels where they apply."""
+    global _enabled
+    before, _enabled = _enabled, on
+    try:
+        yield
+    finally:
+        _enabled = before
+
+
+def kernel_type(w) -> str | None:
+    """The kernel that multiplies by weight `w` (a key of PLANES), or None."""
+    import torch
+
+    from ..archive.tensors import QuantizedTensor
+
+    if isinstance(w, QuantizedTensor):
+        return w.type_name if w.type_name in PLANES and len(w.shape) == 2 else None
+    return "F16" if w.dtype == torch.float16 and w.dim() == 2 and w.shape[1] % 8 == 0 else None
+
+
+def matvec(x, w):
+    """x [M, K] float32 @ w[N, K].T → [M, N] through a kernel, or None where none applies: outside
+    `enabled()`, for a dynamic or large M, other dtypes and weight types."""
+    import torch
+
+    rows = x.shape[0]
+    if not (_enabled and isinstance(rows, int) and rows <= MAX_ROWS and x.dtype == torch.float32):
+        return None
+    kind = kernel_type(w)
+    if kind is None:
+        return None
+    planes = [w] if kind == "F16" else [w.planes[p] for p in PLANES[kind]]
+    from .ops import OPS
+
+    return OPS[kind](x, *planes)
+
+
+def cache_dir() -> Path:
+    """Where compiled kernel objects live: iree-compile finds them here by name."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sharkport" / "kernels"
+
+
+def object_name() -> str:
+    """The object's file name, unique to matvec.c's text and the compiler flags."""
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([_compiler()] + CFLAGS).encode()).hexdigest()[:16]
+    return f"matvec-{key}.o"
+
+
+def _compiler() -> str:
+    return os.environ.get("CC", "cc")
+
+
+@cache
+def object_path() -> Path:
+    """matvec.c compiled for x86-64 into cache_dir() (built once per source and flags).
+
+    The MLIR names the object and iree-compile links it from there
+    (`--iree-hal-executable-object-search-path`, which `compile_mlir` adds): IREE 3.9 fails to
+    link the same object embedded in the MLIR as data (undefined symbol)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise SharkportError(f"--matvec-kernels: the kernels are written for x86-64, not {platform.machine()}; "
+                             "export without --matvec-kernels")
+    cc = _compiler()
+    if shutil.which(cc) is None:
+        raise SharkportError(f"--matvec-kernels needs a C compiler to build {SOURCE.name}: {cc!r} is not on PATH "
+                             "(install gcc or clang, set CC, or export without --matvec-kernels)")
+    obj = cache_dir() / object_name()
+    if not obj.exists():
+        obj.parent.mkdir(parents=True, exist_ok=True)
+        tmp = obj.with_suffix(f".{os.getpid()}.tmp")
+        run = subprocess.run([cc, *CFLAGS, "-c", str(SOURCE), "-o", str(tmp)], capture_output=True, text=True)
+        if run.returncode:
+            tmp.unlink(missing_ok=True)
+            first = (run.stderr.strip().splitlines() or ["no output"])[0]
+            raise SharkportError(f"--matvec-kernels: {cc} failed to compile {SOURCE} ({first})")
+        os.replace(tmp, obj)
+    return obj
+
+
+def referenced_by(mlir_path: str | os.PathLike) -> bool:
+    """Whether an MLIR file calls the kernels (so iree-compile needs their object)."""
+    import mmap
+
+    with open(mlir_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        return m.find(b"sharkport_matvec_") >= 0
+
+
+def compile_flags_for(mlir_path: str | os.PathLike) -> list[str]:
+    """iree-compile flags an MLIR file needs for the kernels it calls (building their object)."""
+    if os.path.getsize(mlir_path) == 0 or not referenced_by(mlir_path):
+        return []
+    return [f"--iree-hal-executable-object-search-path={object_path().parent}"]

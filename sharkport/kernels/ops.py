@@ -1,0 +1,143 @@
+"""The kernels as turbine custom ops: under tracing, a `flow.dispatch` of a `stream.executable`
+linking matvec.c's object; eagerly, the same product in torch."""
+
+from __future__ import annotations
+
+import torch
+from iree.turbine.runtime.op_reg import CustomOp, KernelBuilder, KernelSelection, def_library, impl_helper
+
+from ..archive.tensors import QuantizedTensor
+from . import PLANES, ROWS, SIZES, object_path
+
+
+_LIBRARY = def_library("sharkport_kernels")
+
+
+def _eager(kind: str, x: torch.Tensor, *planes: torch.Tensor) -> torch.Tensor:
+    w = planes[0] if kind == "F16" else QuantizedTensor(kind, (planes[0].shape[0], x.shape[1]),
+                                                        dict(zip(PLANES[kind], planes))).dequant()
+    return torch.mm(x, w.to(torch.float32).reshape(w.shape[0], -1).t())
+
+
+def _tensor_type(rank: int, element: str) -> str:
+    return f"tensor<{'?x' * rank}{element}>"
+
+
+def _module(kind: str, arg_types: list[tuple[int, str]]) -> tuple[str, str]:
+    """(function name, MLIR module text) of the kernel for `kind`: a util.func taking x and the
+    planes (all dims dynamic) that dispatches the C function over ceil(N / ROWS) workgroups."""
+    c_name = f"sharkport_matvec_{kind.lower()}"
+    name = f"{c_name}_dispatch"
+    types = [_tensor_type(r, e) for r, e in arg_types]
+    # The C side sees flat buffers. Their offset must be in the memref type: IREE 3.9 drops a
+    # binding's offset (planes of one weight share a buffer) from identity-layout memrefs.
+    memref = lambda e: f"memref<?x{'i8' if e == 'ui8' else e}, strided<[1], offset: ?>>"  # noqa: E731
+    elements = [e for _, e in arg_types] + ["f32"]
+    n_args = len(arg_types) + 1
+    bindings = ", ".join(f"%b{i}: !stream.binding" for i in range(n_args))
+    subspans = "\n".join(
+        f"        %s{i} = stream.binding.subspan %b{i}[%c0] : !stream.binding -> {memref(e)}{{%size{i}}}"
+        for i, e in enumerate(elements))
+    sizes = "\n".join(_size(i, spec) for i, spec in enumerate(SIZES[kind]))
+    memrefs = ", ".join(memref(e) for e in elements)
+    args = ", ".join(f"%a{i}" for i in range(len(arg_types)))
+    dims = []
+    for i, (rank, _) in enumerate(arg_types):
+        dims.append("{" + ", ".join(f"%a{i}d{j}" for j in range(rank)) + "}")
+    dim_ops = "\n".join(f"    %a{i}d{j} = tensor.dim %a{i}, %c{j} : {types[i]}"
+                        for i, (rank, _) in enumerate(arg_types) for j in range(rank))
+    operand_types = ", ".join(f"{t}{d}" for t, d in zip(types, dims))
+    text = f"""
+module {{
+  stream.executable private @{c_name}_executable attributes {{
+    hal.executable.objects = #hal.executable.objects<{{
+      #hal.executable.target<"llvm-cpu", "embedded-elf-x86_64"> = [
+        #hal.executable.object<{{path = "{object_path().name}"}}>
+      ]
+    }}>
+  }} {{
+    stream.executable.export public @{c_name}_entry workgroups(%n: index) -> (index, index, index) {{
+      %x = affine.apply affine_map<()[s0] -> (s0 ceildiv {ROWS})>()[%n]
+      %c1 = arith.constant 1 : index
+      stream.return %x, %c1, %c1 : index, index, index
+    }}
+    builtin.module {{
+      func.func private @{c_name}({memrefs}, index, index, index, index) attributes {{hal.import.static}}
+      func.func @{c_name}_entry({bindings}, %m: index, %n: index, %k: index) {{
+        %c0 = arith.constant 0 : index
+        %wg = hal.interface.workgroup.id[0] : index
+{sizes}
+{subspans}
+        func.call @{c_name}({", ".join(f"%s{i}" for i in range(n_args))}, %m, %n, %k, %wg) : ({memrefs}, index, index, index, index) -> ()
+        return
+      }}
+    }}
+  }}
+  util.func private @{name}({", ".join(f"%a{i}: {t}" for i, t in enumerate(types))}) -> tensor<?x?xf32> {{
+    %c0 = arith.constant 0 : index
+    %c1 = arith.constant 1 : index
+    %c2 = arith.constant 2 : index
+{dim_ops}
+    %y = flow.dispatch @{c_name}_executable::@{c_name}_entry[%a1d0]({args}, %a0d0, %a1d0, %a0d1) : ({operand_types}, index, index, index) -> tensor<?x?xf32>{{%a0d0, %a1d0}}
+    util.return %y : tensor<?x?xf32>
+  }}
+}}"""
+    return name, text
+
+
+def _size(i: int, spec) -> str:
+    """MLIR computing binding i's element count %size{i} from %m, %n and %k (see SIZES)."""
+    (a, b), divisor = (spec, 1) if isinstance(spec, str) else spec
+    return (f"        %d{i} = arith.constant {divisor} : index\n"
+            f"        %p{i} = arith.muli %{a}, %{b} : index\n"
+            f"        %size{i} = arith.divui %p{i}, %d{i} : index")
+
+
+class _Loader(impl_helper.TemplateLoader):
+    """Templates given as MLIR text rather than files."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def load_template(self, kb: KernelBuilder, name: str, **kwargs):
+        # Parsed on one thread: MLIR verifies the nested executable on worker threads, which
+        # deadlock on the GIL that this (Python-called) parse holds.
+        kb.context.enable_multithreading(False)
+        try:
+            return self._parse_module_asm(kb, self.text)
+        finally:
+            kb.context.enable_multithreading(True)
+
+
+def _register(kind: str):
+    planes = PLANES[kind]
+
+    class Op(CustomOp):
+        signature = f"matvec_{kind.lower()}(Tensor x, {', '.join(f'Tensor {p}' for p in planes)}) -> (Tensor)"
+
+        def select(self, ksel: KernelSelection):
+            x = ksel.arg_tensor(0)
+            first = ksel.arg_tensor(1)
+            for i in range(2, len(planes) + 1):
+                ksel.arg_tensor(i)
+            ksel.return_new_tensor([x.t.shape[0], first.t.shape[0]], torch.float32)
+
+        def eager_execute(self, x, *planes_):
+            return _eager(kind, x, *planes_)
+
+        def generate(self, ksel: KernelSelection, kb: KernelBuilder):
+            from iree.turbine.support.ir_imports import RankedTensorType
+
+            arg_types = []
+            for value in kb.arg_bindings:
+                t = RankedTensorType(value.type)
+                arg_types.append((t.rank, str(t.element_type)))
+            name, text = _module(kind, arg_types)
+            func = _Loader(text).inline_template_function(kb, "", name)
+            kb.yield_results(*impl_helper.call_function(func, *kb.arg_bindings))
+
+    Op.__name__ = f"matvec_{kind.lower()}"
+    return CustomOp.register(library=_LIBRARY)(Op)
+
+
+OPS = {kind: _register(kind) for kind in PLANES}

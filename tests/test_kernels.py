@@ -1,0 +1,154 @@
+"""The hand-written matvec kernels (sharkport.kernels, export --matvec-kernels), compiled into
+modules by iree-compile and run by the IREE runtime.
+
+References we did not write: `gguf.quants.dequantize` (each kernel's product), and transformers
+reading a GGUF quantized by our tool (a tiny llama decoding through the kernels)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from sharkport import kernels, ops
+from sharkport.archive.tensors import QuantizedTensor, weight_from_raw
+from sharkport.quant.quantize import quantize_array
+from run_cli import run
+from tiny_models import TINY_EXPORT
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+
+KINDS = ["Q8_0", "Q4_0", "Q4_1", "F16"]
+
+
+class _Linear(torch.nn.Module):
+    """x @ w.T through ops.linear, with w's planes as module buffers (constants of the module,
+    which IREE packs into one buffer: the kernels must honour each plane's offset in it)."""
+
+    def __init__(self, w):
+        super().__init__()
+        self.type_name, self.shape = (w.type_name, w.shape) if isinstance(w, QuantizedTensor) else ("F16", None)
+        self.names = list(w.planes) if isinstance(w, QuantizedTensor) else ["w"]
+        for name in self.names:
+            self.register_buffer(name, w.planes[name] if isinstance(w, QuantizedTensor) else w)
+
+    def forward(self, x):
+        if self.type_name == "F16":
+            return ops.linear(x, self.w)
+        return ops.linear(x, QuantizedTensor(self.type_name, self.shape, {n: getattr(self, n) for n in self.names}))
+
+
+def _compile_and_run(module, x, tmp_path):
+    import iree.runtime as rt
+    from iree.turbine import aot
+
+    from sharkport.compile import compile_mlir
+
+    with kernels.enabled():
+        exported = aot.export(module, args=(x,))
+    mlir, vmfb = tmp_path / "m.mlir", tmp_path / "m.vmfb"
+    exported.save_mlir(mlir)
+    assert kernels.referenced_by(mlir), "the product was not routed through a kernel"
+    compile_mlir(mlir, vmfb)
+    config = rt.Config("local-task")
+    ctx = rt.SystemContext(config=config)
+    ctx.add_vm_module(rt.VmModule.mmap(config.vm_instance, str(vmfb)))
+    out = ctx.modules.module["main"](rt.asdevicearray(config.device, x.numpy()))
+    return np.array(out.to_host(), copy=True)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("kind", KINDS)
+def test_kernel_product_equals_gguf_dequantization(kind, rows, tmp_path):
+    n, k = 80, 96  # 2.5 workgroups of rows, 3 blocks per row
+    rng = np.random.default_rng(rows)
+    raw = quantize_array(rng.standard_normal((n, k)).astype(np.float32), kind)
+    w = torch.from_numpy(raw) if kind == "F16" else weight_from_raw(kind, (n, k), raw)
+    dense = raw.astype(np.float64) if kind == "F16" else quants.dequantize(raw, GGMLQuantizationType[kind]).astype(np.float64)
+    x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
+    got = _compile_and_run(_Linear(w), x, tmp_path)
+    want = x.numpy().astype(np.float64) @ dense.T
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_many_rows_keep_the_traced_product():
+    """Beyond MAX_ROWS rows (prefill) and outside `enabled()` no kernel is used."""
+    w = torch.zeros(32, 64, dtype=torch.float16)
+    with kernels.enabled():
+        assert kernels.matvec(torch.zeros(kernels.MAX_ROWS + 1, 64), w) is None
+        assert kernels.matvec(torch.zeros(2, 64, dtype=torch.float16), w) is None
+    assert kernels.matvec(torch.zeros(1, 64), w) is None
+
+
+@pytest.fixture(scope="module")
+def quantized_tiny(tiny, tmp_path_factory):
+    """type name → (GGUF written by our quantize tool, its archive) for the tiny GQA llama."""
+    made = {}
+
+    def get(type_name: str):
+        if type_name not in made:
+            out = tmp_path_factory.mktemp(f"kernels_{type_name}")
+            (out / "gguf").mkdir()
+            irpa, gguf_path = out / "q.irpa", out / "gguf" / "q.gguf"
+            run("sharkport.tools.quantize", "--gguf-file", str(tiny["gqa-untied"].gguf_path), "--type", type_name,
+                "--save", str(irpa), "--output-gguf", str(gguf_path))
+            made[type_name] = gguf_path, irpa
+        return made[type_name]
+
+    return get
+
+
+@pytest.mark.parametrize("type_name", ["q8_0", "q4_1", "f16"])
+def test_tiny_llama_decodes_through_the_kernels_as_transformers(quantized_tiny, type_name, tmp_path):
+    """Prefill 5 tokens, then teacher-forced decode at batch 4 (every row the same sequence, on
+    its own pages): each step's logits equal transformers' over the same quantized GGUF."""
+    from transformers import AutoModelForCausalLM
+
+    from sharkport.archive import Dataset
+    from sharkport.compile import compile_mlir
+    from sharkport.export import export_model, save_export
+    from sharkport.models import ModelConfig
+    from sharkport.runtime.session import IreeSession
+
+    gguf_path, irpa = quantized_tiny(type_name)
+    config = TINY_EXPORT.__class__(**{**TINY_EXPORT.__dict__, "matvec_kernels": True})
+    output, service = export_model(Dataset.load(irpa), config, ModelConfig(block_seq_stride=config.block_seq_stride))
+    save_export(output, service, tmp_path / "m.mlir", tmp_path / "m.json")
+    assert kernels.referenced_by(tmp_path / "m.mlir")
+    compile_mlir(tmp_path / "m.mlir", tmp_path / "m.vmfb")
+    session = IreeSession(tmp_path / "m.vmfb", irpa, tmp_path / "m.json", pages=config.device_block_count)
+
+    ids = [3, 99, 14, 200, 7, 7, 51, 128, 60, 2, 31, 90]
+    hf = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].numpy()
+
+    prompt, stride = 5, config.block_seq_stride
+    pages = np.arange(4, dtype=np.int64)[:, None] * 2 + np.arange(2)  # rows own pages 2r, 2r+1
+    tokens = np.zeros((4, stride), np.int64)
+    tokens[:, :prompt] = ids[:prompt]
+    session.prefill(tokens, np.full(4, prompt), pages[:, :1].copy())
+    for pos in range(prompt, len(ids)):
+        got = session.decode(np.full((4, 1), ids[pos]), np.full(4, pos + 1), np.full(4, pos),
+                             pages[:, :pos // stride + 1].copy())
+        for row in range(4):
+            np.testing.assert_allclose(got[row, 0], want[pos], rtol=0, atol=2e-4 * np.abs(want[pos]).max(),
+                                       err_msg=f"position {pos}, row {row}")
+
+
+def test_missing_c_compiler_is_one_line(tiny, tmp_path):
+    env = dict(os.environ, CC=str(tmp_path / "no-such-cc"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "sharkport.export", "--gguf-file", str(tiny["gqa-untied"].gguf_path),
+         "--output-mlir", str(tmp_path / "m.mlir"), "--output-config", str(tmp_path / "m.json"),
+         "--bs-prefill", "1", "--bs-decode", "1", "--max-seq-len", "64", "--matvec-kernels"],
+        capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert "Traceback" not in proc.stderr and "C compiler" in lines[-1] and "no-such-cc" in lines[-1], proc.stderr
+    assert not (tmp_path / "m.mlir").exists()
