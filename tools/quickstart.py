@@ -17,6 +17,7 @@ from pathlib import Path
 
 from sharkport import run
 from sharkport.errors import cli_main
+from sharkport import kernels
 from sharkport.export import __main__ as export_cli
 from sharkport.packaged import packaged_gguf
 from sharkport.tools import dump_gguf
@@ -54,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     step("export + compile", "sharkport.export",
          ["--irpa-file", str(irpa), "--output-mlir", str(mlir), "--output-config", str(config),
           "--output-vmfb", str(vmfb), "--bs-prefill", "1", "--bs-decode", "1",
-          "--max-seq-len", "2048", "--device-block-count", "64"],
+          "--max-seq-len", "2048", "--device-block-count", "64"]
+         + (["--matvec-kernels"] if kernels.available() else []),  # decode reads weights as stored
          export_cli.main, vmfb, args.force or not config.exists())
     prompts = args.prompt or DEFAULT_PROMPTS
     run_argv = ["--vmfb", str(vmfb), "--irpa-file", str(irpa), "--config", str(config),

@@ -95,6 +95,11 @@ def _compiler() -> str:
     return os.environ.get("CC", "cc")
 
 
+def available() -> bool:
+    """Whether this machine can build the kernels (an x86-64 host with a C compiler on PATH)."""
+    return platform.machine().lower() in ("x86_64", "amd64") and shutil.which(_compiler()) is not None
+
+
 @cache
 def object_path() -> Path:
     """matvec.c compiled for x86-64 into cache_dir() (built once per source and flags).
