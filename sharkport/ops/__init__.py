@@ -116,10 +116,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, D]
     if mask.shape[2] != 1 and G > 1:  # a per-query mask repeats for each group folded into rows
         mask = mask.repeat(1, 1, G, 1)
-    scores = softcap(torch.matmul(q, k.transpose(-1, -2)) * (D ** -0.5 if scale is None else scale),
-                     logit_cap) + mask  # [B, Hkv, G*S, T]
+    # One query position (decode): products as broadcast multiply + sum, which IREE fuses into
+    # one dispatch each; as matmuls they are data-tiled, packed and unpacked (6 more dispatches).
+    one = isinstance(S, int) and S == 1
+    qk = (q.unsqueeze(3) * k.unsqueeze(2)).sum(-1) if one else torch.matmul(q, k.transpose(-1, -2))
+    scores = softcap(qk * (D ** -0.5 if scale is None else scale), logit_cap) + mask  # [B, Hkv, G*S, T]
     probs = cast(torch.softmax(cast(scores, torch.float32), dim=-1), q.dtype)
-    out = torch.matmul(probs, v)  # [B, Hkv, G*S, D]
+    out = (probs.unsqueeze(-1) * v.unsqueeze(2)).sum(-2) if one else torch.matmul(probs, v)  # [B, Hkv, G*S, D]
     return out.unflatten(2, (G, S)).permute(0, 3, 1, 2, 4).reshape(B, S, H, D)
 
 
