@@ -76,31 +76,40 @@ void sharkport_matvec_q8_0(MEMREF(const float, x), MEMREF(const int8_t, qs), MEM
   }
 }
 
-// Q4_0 (offset 8, `with_min` 0) and Q4_1 (minimum m per block): value = d * q - d * 8, or d * q + m.
+// Q4_0 (no `mins`: value = d * q - 8 d) and Q4_1 (value = d * q + m). The offset term of a block is
+// (its offset) * (sum of x over the block): the sums are computed once per workgroup, for up to
+// XSUM_BLOCKS blocks per row of x (K <= 16384), else per row n.
+#define XSUM_BLOCKS 512
 static inline void matvec_q4(const float *x, const uint8_t *qs, const uint16_t *d, const uint16_t *mins,
                              float *y, size_t M, size_t N, size_t K, size_t wg) {
   ROW_RANGE
+  float xsum[MAX_M * XSUM_BLOCKS];
+  int cached = B <= XSUM_BLOCKS;
   for (size_t m0 = 0; m0 < M; m0 += MAX_M) {
     size_t mc = M - m0 < MAX_M ? M - m0 : MAX_M;
+    if (cached)
+      for (size_t i = 0; i < mc; ++i)
+        for (size_t b = 0; b < B; ++b) xsum[i * B + b] = hsum(SUM32(x + (m0 + i) * K + 32 * b));
     for (size_t n = n0; n < n1; ++n) {
       const uint8_t *q = qs + n * (K / 2);
       const uint16_t *dn = d + n * B;
       __m256 acc[MAX_M];
-      for (size_t i = 0; i < mc; ++i) acc[i] = _mm256_setzero_ps();
+      float off_acc[MAX_M];
+      for (size_t i = 0; i < mc; ++i) acc[i] = _mm256_setzero_ps(), off_acc[i] = 0.0f;
       for (size_t b = 0; b < B; ++b, q += 16) {
         __m256 w0, w1, w2, w3;  // bytes 0..7: values 0..7 (low) and 16..23 (high); 8..15: 8..15, 24..31
         nibbles(q, &w0, &w2);
         nibbles(q + 8, &w1, &w3);
         float db = half(dn[b]);
         __m256 scale = _mm256_set1_ps(db);
-        __m256 offset = _mm256_set1_ps(mins ? half(mins[n * B + b]) : -8.0f * db);
+        float offset = mins ? half(mins[n * B + b]) : -8.0f * db;
         for (size_t i = 0; i < mc; ++i) {
           const float *xb = x + (m0 + i) * K + 32 * b;
           acc[i] = _mm256_fmadd_ps(DOT32(xb, w0, w1, w2, w3), scale, acc[i]);
-          acc[i] = _mm256_fmadd_ps(SUM32(xb), offset, acc[i]);
+          off_acc[i] += offset * (cached ? xsum[i * B + b] : hsum(SUM32(xb)));
         }
       }
-      for (size_t i = 0; i < mc; ++i) y[(m0 + i) * N + n] = hsum(acc[i]);
+      for (size_t i = 0; i < mc; ++i) y[(m0 + i) * N + n] = hsum(acc[i]) + off_acc[i];
     }
   }
 }
