@@ -89,9 +89,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: st
     xr, rest = x[..., :rot_dim], x[..., rot_dim:]
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # broadcast over heads
     if layout == "interleaved":
+        # (a, b) -> (a cos - b sin, b cos + a sin) as pairs * cos + (-b, a) * sin: one elementwise
+        # op for IREE, where stacking the two halves cost two more dispatches and two copies.
         pairs = xr.unflatten(-1, (-1, 2))
-        a, b = pairs[..., 0], pairs[..., 1]
-        out = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
+        swapped = pairs.flip(-1) * torch.tensor([-1.0, 1.0], dtype=pairs.dtype, device=pairs.device)
+        out = (pairs * cos.unsqueeze(-1) + swapped * sin.unsqueeze(-1)).flatten(-2)
     elif layout == "half":
         a, b = xr.chunk(2, dim=-1)
         out = torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
