@@ -75,9 +75,13 @@ class BlockType:
         return blocks.view(np.uint8).reshape(*outer[:-1], -1)
 
     def dequant(self, planes: dict):
-        """Planes (torch tensors) → float32 values of shape [..., N]."""
+        """Planes (torch tensors) → float32 values of shape [..., N]. Q8_0, Q4_0 and Q4_1 weights
+        trace as one node (dequant_op)."""
+        from . import dequant_op
         from .dequant import DEQUANT
 
+        if dequant_op.applies(self.name, planes):
+            return dequant_op.dequant(self.name, planes).flatten(-2)
         return DEQUANT[self.name](planes).flatten(-2)  # [..., blocks, block_size] → [..., N]
 
 
