@@ -1,13 +1,17 @@
 #!/usr/bin/env python
-"""How fast IREE runs a quantized matrix-vector product when the weights stay quantized in
-memory, for several ways of writing it in torch (docs/performance.md, "What bounds decode"):
+"""How fast IREE runs a quantized matrix-vector product, for several ways of writing it
+(docs/performance.md, "What bounds decode"):
 
-    python tools/bench_quant_matvec.py [--rows 1] [--repeat 10]
+    python tools/bench_quant_matvec.py [--rows 1] [--repeat 10] [--only-kernels]
 
-Each form is traced with iree-turbine, compiled with the `llvm-cpu-lean` preset (weights are
-function arguments, so nothing is hoisted to load time), checked against torch, and timed
-(median of --repeat calls). Matrices: a Q4_1 one of 12288x576 (SmolLM2's FFN at 8 layers) and
-the Q8_0 output projection of SmolLM2, 49152x576, with its float32 `mm` for comparison.
+First table: forms traced from torch with the weights kept quantized, compiled with the
+`llvm-cpu-lean` preset (weights are function arguments, so nothing is hoisted to load time).
+Second table: `sharkport.ops.linear` as decode exports it, the weights module constants, compiled
+with the default `llvm-cpu` preset: the traced dequantize-and-`mm` (hoisted: dequantized and
+packed as float32 once, at load) against the hand-written kernels of `export --matvec-kernels`,
+which read the weights as stored. Every form is checked against torch and timed (median of
+--repeat calls). Matrices: a Q4_1 one of 12288x576 (SmolLM2's FFN at 8 layers) and the Q8_0
+output projection of SmolLM2, 49152x576, with its float32 `mm` for comparison.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import numpy as np
 import torch
 from iree.turbine import aot
 
+from sharkport import kernels, ops
+from sharkport.archive.tensors import QuantizedTensor
 from sharkport.compile import compile_mlir
 
 K = 576
@@ -79,13 +85,30 @@ class Traced(torch.nn.Module):
         return self.fn(*args)
 
 
-def run(fn, args, work: Path, repeat: int) -> tuple[float, float]:
+class Linear(torch.nn.Module):
+    """x @ w.T as decode exports it (sharkport.ops.linear), w's planes module constants."""
+
+    def __init__(self, w):
+        super().__init__()
+        self.w = w
+        for name, plane in w.planes.items():
+            self.register_buffer(name, plane)
+
+    def forward(self, x):
+        return ops.linear(x, QuantizedTensor(self.w.type_name, self.w.shape,
+                                             {n: getattr(self, n) for n in self.w.planes}))
+
+
+def run(fn, args, work: Path, repeat: int, preset: str = "llvm-cpu-lean",
+        use_kernels: bool = False) -> tuple[float, float]:
     """(median seconds, max abs error against eager torch) of fn compiled by IREE."""
     import iree.runtime as rt
 
     mlir, vmfb = work / "f.mlir", work / "f.vmfb"
-    aot.export(Traced(fn), args=args).save_mlir(mlir)
-    compile_mlir(mlir, vmfb, "llvm-cpu-lean")
+    module = fn if isinstance(fn, torch.nn.Module) else Traced(fn)
+    with kernels.enabled(use_kernels):
+        aot.export(module, args=args).save_mlir(mlir)
+    compile_mlir(mlir, vmfb, preset)
     config = rt.Config("local-task")
     ctx = rt.SystemContext(config=config)
     ctx.add_vm_module(rt.VmModule.mmap(config.vm_instance, str(vmfb)))
@@ -101,10 +124,41 @@ def run(fn, args, work: Path, repeat: int) -> tuple[float, float]:
     return statistics.median(times), err
 
 
+def smollm2_decode(x: torch.Tensor, repeat: int) -> None:
+    """The kernels' share of a SmolLM2 Q4_1 decode step at batch 1: every product timed alone
+    (weights as module constants, `llvm-cpu`), summed over 30 layers plus the Q8_0 output."""
+    g = torch.Generator().manual_seed(1)
+    layer = {"attn_q": (576, 576), "attn_k": (192, 576), "attn_v": (192, 576), "attn_output": (576, 576),
+             "ffn_gate": (1536, 576), "ffn_up": (1536, 576), "ffn_down": (576, 1536)}
+    total = 0.0
+    print("| product | shape | type | time |\n|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (n, k), type_name, count in [(n, s, "Q4_1", 30) for n, s in layer.items()] + \
+                [("output (tied token_embd)", (49152, 576), "Q8_0", 1)]:
+            blocks = k // 32
+            planes = {"qs": torch.randint(0, 256, (n, blocks, 16 if type_name == "Q4_1" else 32), dtype=torch.uint8,
+                                          generator=g),
+                      "d": (torch.rand(n, blocks, generator=g) * 0.01).half()}
+            if type_name == "Q4_1":
+                planes["m"] = (torch.rand(n, blocks, generator=g) * 0.01).half()
+            else:
+                planes["qs"] = planes["qs"].view(torch.int8)
+            xs = torch.randn(1, k, generator=g)
+            secs, _ = run(Linear(QuantizedTensor(type_name, (n, k), planes)), (xs,), Path(tmp), repeat,
+                          "llvm-cpu", True)
+            total += count * secs
+            print(f"| {name} x{count} | {n}x{k} | {type_name} | {secs * 1e6:.0f} us |", flush=True)
+    print(f"\nsum over one decode step: {total * 1e3:.2f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=1, help="rows of x (the batch at decode; default 1)")
     parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--only-kernels", action="store_true", help="only the second table")
+    parser.add_argument("--smollm2-decode", action="store_true",
+                        help="instead: each product of one SmolLM2 Q4_1 decode step through the kernels, "
+                             "timed alone, and their sum over the model")
     args = parser.parse_args()
     m, g = args.rows, torch.Generator().manual_seed(0)
     x = torch.randn(m, K, generator=g)
@@ -118,11 +172,24 @@ def main() -> None:
     w32 = torch.randn(n8, K, generator=g)
     cases.append((f"F32 {n8}x{K}", "mm", lambda x, w: torch.mm(x, w.t()), (x, w32), w32.numel() * 4))
 
-    print(f"| matrix | form | time | GB/s of weights read | max abs error |\n|---|---|---|---|---|")
+    if args.smollm2_decode:
+        return smollm2_decode(x, args.repeat)
+    header = "| matrix | form | time | GB/s of weights read | max abs error |\n|---|---|---|---|---|"
     with tempfile.TemporaryDirectory() as tmp:
-        for matrix, name, fn, fn_args, nbytes in cases:
-            secs, err = run(fn, fn_args, Path(tmp), args.repeat)
-            print(f"| {matrix} | {name} | {secs * 1e3:.1f} ms | {nbytes / secs / 1e9:.2f} | {err:.1e} |", flush=True)
+        if not args.only_kernels:
+            print(header)
+            for matrix, name, fn, fn_args, nbytes in cases:
+                secs, err = run(fn, fn_args, Path(tmp), args.repeat)
+                print(f"| {matrix} | {name} | {secs * 1e3:.1f} ms | {nbytes / secs / 1e9:.2f} | {err:.1e} |", flush=True)
+        print("\n" + header)
+        for type_name, n, (_, *planes), fields in (("Q4_1", n4, q4, ("qs", "d", "m")), ("Q8_0", n8, q8, ("qs", "d"))):
+            module = Linear(QuantizedTensor(type_name, (n, K), dict(zip(fields, planes))))
+            nbytes = sum(p.numel() * p.element_size() for p in planes)
+            for name, preset, use in (("dequantize + mm, packed f32 at load (llvm-cpu)", "llvm-cpu", False),
+                                      ("--matvec-kernels (llvm-cpu)", "llvm-cpu", True)):
+                secs, err = run(module, (x,), Path(tmp), args.repeat, preset, use)
+                print(f"| {type_name} {n}x{K} | {name} | {secs * 1e3:.2f} ms | {nbytes / secs / 1e9:.2f} | {err:.1e} |",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -23,23 +23,26 @@ def _tensor_type(rank: int, element: str) -> str:
     return f"tensor<{'?x' * rank}{element}>"
 
 
+def _memref(element: str) -> str:
+    """The flat buffer the C function receives. Its offset is part of the type: IREE 3.9 drops a
+    binding's offset (the planes of one weight share a buffer) from identity-layout memrefs."""
+    return f"memref<?x{'i8' if element == 'ui8' else element}, strided<[1], offset: ?>>"
+
+
 def _module(kind: str, arg_types: list[tuple[int, str]]) -> tuple[str, str]:
     """(function name, MLIR module text) of the kernel for `kind`: a util.func taking x and the
     planes (all dims dynamic) that dispatches the C function over ceil(N / ROWS) workgroups."""
     c_name = f"sharkport_matvec_{kind.lower()}"
     name = f"{c_name}_dispatch"
     types = [_tensor_type(r, e) for r, e in arg_types]
-    # The C side sees flat buffers. Their offset must be in the memref type: IREE 3.9 drops a
-    # binding's offset (planes of one weight share a buffer) from identity-layout memrefs.
-    memref = lambda e: f"memref<?x{'i8' if e == 'ui8' else e}, strided<[1], offset: ?>>"  # noqa: E731
     elements = [e for _, e in arg_types] + ["f32"]
     n_args = len(arg_types) + 1
     bindings = ", ".join(f"%b{i}: !stream.binding" for i in range(n_args))
     subspans = "\n".join(
-        f"        %s{i} = stream.binding.subspan %b{i}[%c0] : !stream.binding -> {memref(e)}{{%size{i}}}"
+        f"        %s{i} = stream.binding.subspan %b{i}[%c0] : !stream.binding -> {_memref(e)}{{%size{i}}}"
         for i, e in enumerate(elements))
     sizes = "\n".join(_size(i, spec) for i, spec in enumerate(SIZES[kind]))
-    memrefs = ", ".join(memref(e) for e in elements)
+    memrefs = ", ".join(_memref(e) for e in elements)
     args = ", ".join(f"%a{i}" for i in range(len(arg_types)))
     dims = []
     for i, (rank, _) in enumerate(arg_types):
