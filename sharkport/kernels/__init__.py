@@ -4,9 +4,10 @@
 Q4_0 and Q4_1 planes or float16. IREE 3.9 generates no code that multiplies by quantized weights
 at memory speed (docs/performance.md), so with `ExportConfig.matvec_kernels` the exporter routes
 those products through these kernels: the C file is compiled by the system C compiler (`$CC`,
-else `cc`) for x86-64 with AVX2, FMA and F16C, and the object is embedded in the MLIR, so
-iree-compile, iree-run-module and the runner need nothing more. Products over a dynamic number of
-rows (prefill) keep the traced dequantize-and-`mm` form.
+else `cc`) for x86-64 with AVX2, FMA and F16C into `cache_dir()`, the MLIR names the object, and
+iree-compile links it into the .vmfb (`compile_mlir` adds the search path), so iree-run-module,
+the runner and shortfin need nothing more. Products over a dynamic number of rows (prefill) keep
+the traced dequantize-and-`mm` form.
 
 Under tracing each kernel is a turbine custom op whose body is a `flow.dispatch` of a
 `stream.executable` that calls the C function once per workgroup of `ROWS` outputs
