@@ -93,3 +93,27 @@ def test_page_allocator_hands_out_every_page_once():
         allocator.alloc(1)
     allocator.free(pages[:2])
     assert sorted(allocator.alloc(2)) == sorted(pages[:2])
+
+
+_COUNT_WORKERS = """
+import os, sys
+from pathlib import Path
+from sharkport.runtime.session import IreeSession
+IreeSession(*sys.argv[1:4])
+names = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]
+print(sum(n.startswith("iree-worker") for n in names), len(os.sched_getaffinity(0)))
+"""
+
+
+@pytest.mark.slow
+def test_local_task_gets_a_worker_per_cpu(compiled_of):
+    """IREE's own default topology gives this 2-vCPU machine one worker; the runner asks for one
+    per CPU the process may use (docs/performance.md: prefill and decode 1.6x to 1.8x faster)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _COUNT_WORKERS, *map(str, compiled_of("gqa-untied"))],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    workers, cpus = map(int, proc.stdout.split())
+    assert workers == cpus

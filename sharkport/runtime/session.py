@@ -74,6 +74,23 @@ class Session:
         raise NotImplementedError
 
 
+_TOPOLOGY_SET = False
+
+
+def _use_every_cpu(rt) -> None:
+    """Gives local-task devices one worker per CPU this process may run on, once per process
+    (before its first device). IREE's default topology (`physical_cores`) made one worker on this
+    project's 2-vCPU machine; two workers, side by side on SmolLM2 Q4_1 with --matvec-kernels:
+    prefill of 128 tokens 428 -> 760 tokens/s, decode bs1 36 -> 59 tokens/s (docs/performance.md).
+    Set IREE's own --task_topology_* flags (`iree.runtime.flags.parse_flags`) and
+    SHARKPORT_KEEP_IREE_TOPOLOGY=1 to choose otherwise."""
+    global _TOPOLOGY_SET
+    if _TOPOLOGY_SET or os.environ.get("SHARKPORT_KEEP_IREE_TOPOLOGY"):
+        return
+    _TOPOLOGY_SET = True
+    rt.flags.parse_flags(f"--task_topology_group_count={len(os.sched_getaffinity(0))}")
+
+
 def _embedding_rows(index, irpa) -> int:
     """The vocabulary size of an archive: the rows of token_embd.weight in its metadata entry."""
     from ..archive.irpa import index_metadata
@@ -115,6 +132,8 @@ class IreeSession(Session):
         uris = self._device_name.split(",") if "," in self._device_name else [self._device_name] * n
         if len(uris) != n:
             raise SharkportError(f"device {self._device_name!r} names {len(uris)} devices; the module runs on {n}")
+        if any(uri.startswith("local-task") for uri in uris):
+            _use_every_cpu(rt)
         devices = [rt.get_device(uri, cache=n == 1) for uri in uris]  # N > 1: N devices, not one shared
         files, vocab = parameter_files(irpa, n) if n > 1 else ([irpa], None)
         instance = rt.VmInstance()
