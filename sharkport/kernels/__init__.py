@@ -30,6 +30,7 @@ from ..errors import SharkportError
 SOURCE = Path(__file__).with_name("matvec.c")
 ROWS = 32  # outputs per workgroup; matvec.c's ROWS
 MAX_ROWS = 8  # products over more rows of x keep the traced form (prefill, large batches)
+MAX_K = 32 * 512  # longest rows of w (matvec.c's XSUM_BLOCKS blocks)
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffreestanding", "-fPIC", "-fno-stack-protector",
           "-fno-asynchronous-unwind-tables", "-fno-plt", "-fvisibility=hidden", "-std=c11"]
 # plane order of each kernel's arguments after x (sharkport.quant's plane names)
@@ -73,7 +74,7 @@ def matvec(x, w):
     if not (_enabled and isinstance(rows, int) and rows <= MAX_ROWS and x.dtype == torch.float32):
         return None
     kind = kernel_type(w)
-    if kind is None:
+    if kind is None or x.shape[1] > MAX_K:
         return None
     planes = [w] if kind == "F16" else [w.planes[p] for p in PLANES[kind]]
     from .ops import OPS

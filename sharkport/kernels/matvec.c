@@ -76,40 +76,57 @@ void sharkport_matvec_q8_0(MEMREF(const float, x), MEMREF(const int8_t, qs), MEM
   }
 }
 
-// Q4_0 (no `mins`: value = d * q - 8 d) and Q4_1 (value = d * q + m). The offset term of a block is
-// (its offset) * (sum of x over the block): the sums are computed once per workgroup, for up to
-// XSUM_BLOCKS blocks per row of x (K <= 16384), else per row n.
+// Q4_0 (no `mins`: value = d * q - 8 d) and Q4_1 (value = d * q + m). The offset term of a row,
+// sum over blocks of (offset) * (sum of x over the block), is a dot product of two vectors of B
+// floats: the block sums of x (once per workgroup) and the row's offsets; the row's scales are
+// widened to float once, so the inner loop has no scalar work. Rows of K <= 32 * XSUM_BLOCKS.
 #define XSUM_BLOCKS 512
+
+static inline void widen_halves(const uint16_t *h, float *out, size_t n) {  // float16 -> float
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+  for (; i < n; ++i) out[i] = half(h[i]);
+}
+
+static inline float dot(const float *a, const float *b, size_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float sum = hsum(acc);
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
 static inline void matvec_q4(const float *x, const uint8_t *qs, const uint16_t *d, const uint16_t *mins,
                              float *y, size_t M, size_t N, size_t K, size_t wg) {
   ROW_RANGE
-  float xsum[MAX_M * XSUM_BLOCKS];
-  int cached = B <= XSUM_BLOCKS;
+  float xsum[MAX_M * XSUM_BLOCKS], scales[XSUM_BLOCKS], offsets[XSUM_BLOCKS];
+  if (B > XSUM_BLOCKS) return;  // never traced: kernels.matvec only routes rows this short
   for (size_t m0 = 0; m0 < M; m0 += MAX_M) {
     size_t mc = M - m0 < MAX_M ? M - m0 : MAX_M;
-    if (cached)
-      for (size_t i = 0; i < mc; ++i)
-        for (size_t b = 0; b < B; ++b) xsum[i * B + b] = hsum(SUM32(x + (m0 + i) * K + 32 * b));
+    for (size_t i = 0; i < mc; ++i)
+      for (size_t b = 0; b < B; ++b) xsum[i * B + b] = hsum(SUM32(x + (m0 + i) * K + 32 * b));
     for (size_t n = n0; n < n1; ++n) {
       const uint8_t *q = qs + n * (K / 2);
-      const uint16_t *dn = d + n * B;
+      widen_halves(d + n * B, scales, B);
+      if (mins) {
+        widen_halves(mins + n * B, offsets, B);
+      } else {
+        for (size_t b = 0; b < B; ++b) offsets[b] = -8.0f * scales[b];
+      }
       __m256 acc[MAX_M];
-      float off_acc[MAX_M];
-      for (size_t i = 0; i < mc; ++i) acc[i] = _mm256_setzero_ps(), off_acc[i] = 0.0f;
+      for (size_t i = 0; i < mc; ++i) acc[i] = _mm256_setzero_ps();
       for (size_t b = 0; b < B; ++b, q += 16) {
         __m256 w0, w1, w2, w3;  // bytes 0..7: values 0..7 (low) and 16..23 (high); 8..15: 8..15, 24..31
         nibbles(q, &w0, &w2);
         nibbles(q + 8, &w1, &w3);
-        float db = half(dn[b]);
-        __m256 scale = _mm256_set1_ps(db);
-        float offset = mins ? half(mins[n * B + b]) : -8.0f * db;
+        __m256 scale = _mm256_broadcast_ss(scales + b);
         for (size_t i = 0; i < mc; ++i) {
           const float *xb = x + (m0 + i) * K + 32 * b;
           acc[i] = _mm256_fmadd_ps(DOT32(xb, w0, w1, w2, w3), scale, acc[i]);
-          off_acc[i] += offset * (cached ? xsum[i * B + b] : hsum(SUM32(xb)));
         }
       }
-      for (size_t i = 0; i < mc; ++i) y[(m0 + i) * N + n] = hsum(acc[i]) + off_acc[i];
+      for (size_t i = 0; i < mc; ++i) y[(m0 + i) * N + n] = hsum(acc[i]) + dot(offsets, xsum + i * B, B);
     }
   }
 }
