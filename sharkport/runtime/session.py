@@ -77,7 +77,7 @@ class Session:
 _TOPOLOGY_SET = False
 
 
-def _use_every_cpu(rt) -> None:
+def use_every_cpu(rt) -> None:
     """Gives local-task devices one worker per CPU this process may run on, once per process
     (before its first device). IREE's default topology (`physical_cores`) made one worker on this
     project's 2-vCPU machine; two workers, side by side on SmolLM2 Q4_1 with --matvec-kernels:
@@ -133,7 +133,7 @@ class IreeSession(Session):
         if len(uris) != n:
             raise SharkportError(f"device {self._device_name!r} names {len(uris)} devices; the module runs on {n}")
         if any(uri.startswith("local-task") for uri in uris):
-            _use_every_cpu(rt)
+            use_every_cpu(rt)
         devices = [rt.get_device(uri, cache=n == 1) for uri in uris]  # N > 1: N devices, not one shared
         files, vocab = parameter_files(irpa, n) if n > 1 else ([irpa], None)
         instance = rt.VmInstance()
