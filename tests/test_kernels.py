@@ -6,6 +6,7 @@ reading a GGUF quantized by our tool (a tiny llama decoding through the kernels)
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -116,7 +117,7 @@ def test_tiny_llama_decodes_through_the_kernels_as_transformers(quantized_tiny, 
     from sharkport.runtime.session import IreeSession
 
     gguf_path, irpa = quantized_tiny(type_name)
-    config = TINY_EXPORT.__class__(**{**TINY_EXPORT.__dict__, "matvec_kernels": True})
+    config = dataclasses.replace(TINY_EXPORT, matvec_kernels=True)
     output, service = export_model(Dataset.load(irpa), config, ModelConfig(block_seq_stride=config.block_seq_stride))
     save_export(output, service, tmp_path / "m.mlir", tmp_path / "m.json")
     assert kernels.referenced_by(tmp_path / "m.mlir")

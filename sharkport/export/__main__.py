@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--matvec-kernels", action="store_true",
                         help="decode multiplies by Q8_0/Q4_0/Q4_1/F16 weights as stored, with hand-written "
                              "x86-64 kernels (AVX2) built by the system C compiler and linked by iree-compile "
-                             "(about 2x faster decode on llvm-cpu; docs/performance.md). The MLIR then "
+                             "(about 1.5x faster decode on llvm-cpu; docs/performance.md). The MLIR then "
                              "compiles only for x86-64 CPUs")
     parser.add_argument("--target", choices=list(TARGETS), default="llvm-cpu",
                         help="compile target preset for --output-vmfb (default llvm-cpu: the host CPU, "

@@ -28,11 +28,12 @@ from pathlib import Path
 from ..errors import SharkportError
 
 SOURCE = Path(__file__).with_name("matvec.c")
-ROWS = 32  # outputs per workgroup; matvec.c's ROWS
+ROWS = 32  # outputs per workgroup
 MAX_ROWS = 8  # products over more rows of x keep the traced form (prefill, large batches)
-MAX_K = 32 * 512  # longest rows of w (matvec.c's XSUM_BLOCKS blocks)
+MAX_K = 32 * 512  # longest rows of w: the Q4 kernels keep a block sum of x per 32 values on the stack
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffreestanding", "-fPIC", "-fno-stack-protector",
-          "-fno-asynchronous-unwind-tables", "-fno-plt", "-fvisibility=hidden", "-std=c11"]
+          "-fno-asynchronous-unwind-tables", "-fno-plt", "-fvisibility=hidden", "-std=c11",
+          f"-DROWS={ROWS}", f"-DXSUM_BLOCKS={MAX_K // 32}"]
 # plane order of each kernel's arguments after x (sharkport.quant's plane names)
 PLANES = {"Q8_0": ("qs", "d"), "Q4_0": ("qs", "d"), "Q4_1": ("qs", "d", "m"), "F16": ("w",)}
 # elements of each buffer the C function receives (x, the planes, y), as (factor, divisor) of

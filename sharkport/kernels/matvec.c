@@ -15,7 +15,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define ROWS 32
+// ROWS (outputs per workgroup) and XSUM_BLOCKS come from sharkport.kernels' CFLAGS.
 #define MAX_M 8
 #define MEMREF(T, name) \
   T *restrict name, T *restrict name##_aligned, size_t name##_offset, size_t name##_size, size_t name##_stride
@@ -80,8 +80,6 @@ void sharkport_matvec_q8_0(MEMREF(const float, x), MEMREF(const int8_t, qs), MEM
 // sum over blocks of (offset) * (sum of x over the block), is a dot product of two vectors of B
 // floats: the block sums of x (once per workgroup) and the row's offsets; the row's scales are
 // widened to float once, so the inner loop has no scalar work. Rows of K <= 32 * XSUM_BLOCKS.
-#define XSUM_BLOCKS 512
-
 static inline void widen_halves(const uint16_t *h, float *out, size_t n) {  // float16 -> float
   size_t i = 0;
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));

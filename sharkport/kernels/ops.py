@@ -4,9 +4,10 @@ linking matvec.c's object; eagerly, the same product in torch."""
 from __future__ import annotations
 
 import torch
-from iree.turbine.runtime.op_reg import CustomOp, KernelBuilder, KernelSelection, def_library, impl_helper
+from iree.turbine.runtime.op_reg import CustomOp, KernelBuilder, KernelSelection, def_library
 
 from ..archive.tensors import QuantizedTensor
+from ..mlir_ops import call_mlir_function
 from . import PLANES, ROWS, SIZES, object_path
 
 
@@ -16,7 +17,7 @@ _LIBRARY = def_library("sharkport_kernels")
 def _eager(kind: str, x: torch.Tensor, *planes: torch.Tensor) -> torch.Tensor:
     w = planes[0] if kind == "F16" else QuantizedTensor(kind, (planes[0].shape[0], x.shape[1]),
                                                         dict(zip(PLANES[kind], planes))).dequant()
-    return torch.mm(x, w.to(torch.float32).reshape(w.shape[0], -1).t())
+    return torch.mm(x, w.to(torch.float32).t())
 
 
 def _tensor_type(rank: int, element: str) -> str:
@@ -29,11 +30,18 @@ def _memref(element: str) -> str:
     return f"memref<?x{'i8' if element == 'ui8' else element}, strided<[1], offset: ?>>"
 
 
-def _module(kind: str, arg_types: list[tuple[int, str]]) -> tuple[str, str]:
-    """(function name, MLIR module text) of the kernel for `kind`: a util.func taking x and the
-    planes (all dims dynamic) that dispatches the C function over ceil(N / ROWS) workgroups."""
-    c_name = f"sharkport_matvec_{kind.lower()}"
-    name = f"{c_name}_dispatch"
+def _c_name(kind: str) -> str:
+    return f"sharkport_matvec_{kind.lower()}"
+
+
+def _function_name(kind: str) -> str:
+    return f"{_c_name(kind)}_dispatch"
+
+
+def _module(kind: str, arg_types: list[tuple[int, str]]) -> str:
+    """MLIR module text of the kernel for `kind`: util.func `_function_name(kind)` taking x and the
+    planes (all dims dynamic), which dispatches the C function over ceil(N / ROWS) workgroups."""
+    c_name, name = _c_name(kind), _function_name(kind)
     types = [_tensor_type(r, e) for r, e in arg_types]
     elements = [e for _, e in arg_types] + ["f32"]
     n_args = len(arg_types) + 1
@@ -44,13 +52,11 @@ def _module(kind: str, arg_types: list[tuple[int, str]]) -> tuple[str, str]:
     sizes = "\n".join(_size(i, spec) for i, spec in enumerate(SIZES[kind]))
     memrefs = ", ".join(_memref(e) for e in elements)
     args = ", ".join(f"%a{i}" for i in range(len(arg_types)))
-    dims = []
-    for i, (rank, _) in enumerate(arg_types):
-        dims.append("{" + ", ".join(f"%a{i}d{j}" for j in range(rank)) + "}")
+    dims = ["{" + ", ".join(f"%a{i}d{j}" for j in range(rank)) + "}" for i, (rank, _) in enumerate(arg_types)]
     dim_ops = "\n".join(f"    %a{i}d{j} = tensor.dim %a{i}, %c{j} : {types[i]}"
                         for i, (rank, _) in enumerate(arg_types) for j in range(rank))
     operand_types = ", ".join(f"{t}{d}" for t, d in zip(types, dims))
-    text = f"""
+    return f"""
 module {{
   stream.executable private @{c_name}_executable attributes {{
     hal.executable.objects = #hal.executable.objects<{{
@@ -85,7 +91,6 @@ module {{
     util.return %y : tensor<?x?xf32>
   }}
 }}"""
-    return name, text
 
 
 def _size(i: int, spec) -> str:
@@ -94,22 +99,6 @@ def _size(i: int, spec) -> str:
     return (f"        %d{i} = arith.constant {divisor} : index\n"
             f"        %p{i} = arith.muli %{a}, %{b} : index\n"
             f"        %size{i} = arith.divui %p{i}, %d{i} : index")
-
-
-class _Loader(impl_helper.TemplateLoader):
-    """Templates given as MLIR text rather than files."""
-
-    def __init__(self, text: str):
-        self.text = text
-
-    def load_template(self, kb: KernelBuilder, name: str, **kwargs):
-        # Parsed on one thread: MLIR verifies the nested executable on worker threads, which
-        # deadlock on the GIL that this (Python-called) parse holds.
-        kb.context.enable_multithreading(False)
-        try:
-            return self._parse_module_asm(kb, self.text)
-        finally:
-            kb.context.enable_multithreading(True)
 
 
 def _register(kind: str):
@@ -131,13 +120,9 @@ def _register(kind: str):
         def generate(self, ksel: KernelSelection, kb: KernelBuilder):
             from iree.turbine.support.ir_imports import RankedTensorType
 
-            arg_types = []
-            for value in kb.arg_bindings:
-                t = RankedTensorType(value.type)
-                arg_types.append((t.rank, str(t.element_type)))
-            name, text = _module(kind, arg_types)
-            func = _Loader(text).inline_template_function(kb, "", name)
-            kb.yield_results(*impl_helper.call_function(func, *kb.arg_bindings))
+            types = [RankedTensorType(value.type) for value in kb.arg_bindings]
+            arg_types = [(t.rank, str(t.element_type)) for t in types]
+            call_mlir_function(kb, _function_name(kind), lambda: _module(kind, arg_types))
 
     Op.__name__ = f"matvec_{kind.lower()}"
     return CustomOp.register(library=_LIBRARY)(Op)

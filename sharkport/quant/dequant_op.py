@@ -15,7 +15,9 @@ index) take the op; others (rows gathered by a dynamic index: embeddings) stay t
 from __future__ import annotations
 
 import torch
-from iree.turbine.runtime.op_reg import CustomOp, KernelBuilder, KernelSelection, def_library, impl_helper
+from iree.turbine.runtime.op_reg import CustomOp, KernelBuilder, KernelSelection, def_library
+
+from ..mlir_ops import call_mlir_function
 
 _LIBRARY = def_library("sharkport_dequant")
 
@@ -85,16 +87,6 @@ module {{
 }}"""
 
 
-class _Text(impl_helper.TemplateLoader):
-    """A template given as MLIR text."""
-
-    def __init__(self, text: str):
-        self.text = text
-
-    def load_template(self, kb: KernelBuilder, name: str, **kwargs):
-        return self._parse_module_asm(kb, self.text)
-
-
 def _register(type_name: str):
     from .dequant import DEQUANT  # the torch code, run eagerly
 
@@ -118,8 +110,7 @@ def _register(type_name: str):
 
             n, b = RankedTensorType(kb.arg_bindings[0].type).shape[:2]
             name = f"sharkport_dequant_{type_name.lower()}_{n}x{b}"
-            func = _Text(_body(type_name, name, n, b)).inline_template_function(kb, "", name)
-            kb.yield_results(*impl_helper.call_function(func, *kb.arg_bindings))
+            call_mlir_function(kb, name, lambda: _body(type_name, name, n, b))
 
     Op.__name__ = f"dequant_{type_name.lower()}"
     return CustomOp.register(library=_LIBRARY)(Op)
