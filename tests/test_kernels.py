@@ -1,8 +1,10 @@
 """The hand-written matvec kernels (sharkport.kernels, export --matvec-kernels), compiled into
 modules by iree-compile and run by the IREE runtime.
 
-References we did not write: `gguf.quants.dequantize` (each kernel's product), and transformers
-reading a GGUF quantized by our tool (a tiny llama decoding through the kernels)."""
+References we did not write: `gguf.quants` (each kernel's product: the weights dequantized, and
+with quantized weights x quantized to Q8_0 and dequantized, as the kernels multiply 8-bit
+integers), and transformers reading a GGUF quantized by our tool (a tiny llama decoding through
+the kernels)."""
 
 from __future__ import annotations
 
@@ -63,17 +65,20 @@ def _compile_and_run(module, x, tmp_path):
     return np.array(out.to_host(), copy=True)
 
 
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows, n", [(1, 80), (3, 80), (2, 2100)])
 @pytest.mark.parametrize("kind", KINDS)
-def test_kernel_product_equals_gguf_dequantization(kind, rows, tmp_path):
-    n, k = 80, 96  # 2.5 workgroups of rows, 3 blocks per row
+def test_kernel_product_equals_gguf_dequantization(kind, rows, n, tmp_path):
+    """80 outputs: 2.5 workgroups of 32; 2100: 9 workgroups of 256, the last partial."""
+    k = 96  # 3 blocks per row
     rng = np.random.default_rng(rows)
     raw = quantize_array(rng.standard_normal((n, k)).astype(np.float32), kind)
     w = torch.from_numpy(raw) if kind == "F16" else weight_from_raw(kind, (n, k), raw)
     dense = raw.astype(np.float64) if kind == "F16" else quants.dequantize(raw, GGMLQuantizationType[kind]).astype(np.float64)
     x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
     got = _compile_and_run(_Linear(w), x, tmp_path)
-    want = x.numpy().astype(np.float64) @ dense.T
+    x_seen = x.numpy() if kind == "F16" else quants.dequantize(quants.quantize(x.numpy(), GGMLQuantizationType.Q8_0),
+                                                                 GGMLQuantizationType.Q8_0)
+    want = x_seen.astype(np.float64) @ dense.T
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
@@ -104,10 +109,25 @@ def quantized_tiny(tiny, tmp_path_factory):
     return get
 
 
+def _q8_0_inputs(model: torch.nn.Module) -> list:
+    """Makes every nn.Linear of a transformers model multiply its input quantized to Q8_0 and
+    dequantized by gguf.quants, as the kernels multiply x by quantized weights. Returns the hooks."""
+    def hook(module, args):
+        x = args[0]
+        rows = x.detach().reshape(-1, x.shape[-1]).numpy()
+        seen = quants.dequantize(quants.quantize(rows, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
+        return (torch.from_numpy(seen).reshape(x.shape),)
+
+    return [m.register_forward_pre_hook(hook) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+
 @pytest.mark.parametrize("type_name", ["q8_0", "q4_1", "f16"])
 def test_tiny_llama_decodes_through_the_kernels_as_transformers(quantized_tiny, type_name, tmp_path):
     """Prefill 5 tokens, then teacher-forced decode at batch 4 (every row the same sequence, on
-    its own pages): each step's logits equal transformers' over the same quantized GGUF."""
+    its own pages): each step's logits equal transformers' over the same quantized GGUF, with its
+    prefill in float32 and, for quantized weights, its decode steps multiplying x quantized to
+    Q8_0 by gguf.quants (the kernels' 8-bit products; prefill keeps the float32 product)."""
+    import gguf
     from transformers import AutoModelForCausalLM
 
     from sharkport.archive import Dataset
@@ -117,6 +137,8 @@ def test_tiny_llama_decodes_through_the_kernels_as_transformers(quantized_tiny, 
     from sharkport.runtime.session import IreeSession
 
     gguf_path, irpa = quantized_tiny(type_name)
+    matrices = {t.tensor_type.name for t in gguf.GGUFReader(gguf_path).tensors if len(t.shape) == 2}
+    assert matrices == {type_name.upper()}, "every linear's input is quantized below: every matrix must be"
     config = dataclasses.replace(TINY_EXPORT, matvec_kernels=True)
     output, service = export_model(Dataset.load(irpa), config, ModelConfig(block_seq_stride=config.block_seq_stride))
     save_export(output, service, tmp_path / "m.mlir", tmp_path / "m.json")
@@ -125,11 +147,18 @@ def test_tiny_llama_decodes_through_the_kernels_as_transformers(quantized_tiny, 
     session = IreeSession(tmp_path / "m.vmfb", irpa, tmp_path / "m.json", pages=config.device_block_count)
 
     ids = [3, 99, 14, 200, 7, 7, 51, 128, 60, 2, 31, 90]
-    hf = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    with torch.no_grad():
-        want = hf(torch.tensor([ids])).logits[0].numpy()
-
     prompt, stride = 5, config.block_seq_stride
+    hf = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    want = {}
+    with torch.no_grad():
+        past = hf(torch.tensor([ids[:prompt]]), use_cache=True).past_key_values
+        hooks = _q8_0_inputs(hf) if type_name != "f16" else []
+        for pos in range(prompt, len(ids)):
+            out = hf(torch.tensor([[ids[pos]]]), past_key_values=past, use_cache=True)
+            past, want[pos] = out.past_key_values, out.logits[0, -1].numpy()
+        for h in hooks:
+            h.remove()
+
     pages = np.arange(4, dtype=np.int64)[:, None] * 2 + np.arange(2)  # rows own pages 2r, 2r+1
     tokens = np.zeros((4, stride), np.int64)
     tokens[:, :prompt] = ids[:prompt]

@@ -1,7 +1,10 @@
 """Hand-written CPU kernels linked into exported modules (IREE custom dispatches).
 
 `matvec.c` computes x [M, K] @ w[N, K].T for a few rows M (decode) reading w as stored: Q8_0,
-Q4_0 and Q4_1 planes or float16. IREE 3.9 generates no code that multiplies by quantized weights
+Q4_0 and Q4_1 planes or float16. With quantized weights it multiplies 8-bit integers, as
+llama.cpp does on CPUs: x is quantized per block of 32 values as gguf's Q8_0 quantizer does, so
+the product is that of the dequantized weights with the Q8_0-dequantized x (`quantized_x`), which
+differs from the float32 product by about 1e-3 relative. IREE 3.9 generates no code that multiplies by quantized weights
 at memory speed (docs/performance.md), so with `ExportConfig.matvec_kernels` the exporter routes
 those products through these kernels: the C file is compiled by the system C compiler (`$CC`,
 else `cc`) for x86-64 with AVX2, FMA and F16C into `cache_dir()`, the MLIR names the object, and
@@ -10,9 +13,8 @@ the runner and shortfin need nothing more. Products over a dynamic number of row
 the traced dequantize-and-`mm` form.
 
 Under tracing each kernel is a turbine custom op whose body is a `flow.dispatch` of a
-`stream.executable` that calls the C function once per workgroup of `ROWS` outputs
-(`kernels.ops`, loaded on use: compiling needs only this module). Eagerly the ops compute the
-same product with torch."""
+`stream.executable` that calls the C function once per workgroup of up to 256 outputs (`kernels.ops`, loaded on use: compiling needs only this module). Eagerly the ops compute
+the same product with torch."""
 
 from __future__ import annotations
 
@@ -28,12 +30,15 @@ from pathlib import Path
 from ..errors import SharkportError
 
 SOURCE = Path(__file__).with_name("matvec.c")
-ROWS = 32  # outputs per workgroup
 MAX_ROWS = 8  # products over more rows of x keep the traced form (prefill, large batches)
-MAX_K = 32 * 512  # longest rows of w: the Q4 kernels keep a block sum of x per 32 values on the stack
+MAX_K = 32 * 512  # longest rows of w: a workgroup keeps x quantized (MAX_K bytes a row) on its stack
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffreestanding", "-fPIC", "-fno-stack-protector",
           "-fno-asynchronous-unwind-tables", "-fno-plt", "-fvisibility=hidden", "-std=c11",
-          f"-DROWS={ROWS}", f"-DXSUM_BLOCKS={MAX_K // 32}"]
+          f"-DMAX_BLOCKS={MAX_K // 32}", f"-DXQ_BYTES={MAX_K}"]
+# Outputs per workgroup for a product with N outputs: min(256, 32 * ceil(N / 256)), a multiple of
+# 32 aiming at 8 workgroups (enough to share among a few workers; fewer, larger ones quantize x
+# fewer times). SmolLM2: 32 rows for 192 outputs, 256 for the 49152 of the output projection.
+ROW_QUANTUM, WORKGROUPS, MAX_ROWS_PER_WORKGROUP = 32, 8, 256
 # plane order of each kernel's arguments after x (sharkport.quant's plane names)
 PLANES = {"Q8_0": ("qs", "d"), "Q4_0": ("qs", "d"), "Q4_1": ("qs", "d", "m"), "F16": ("w",)}
 # elements of each buffer the C function receives (x, the planes, y), as (factor, divisor) of
@@ -81,6 +86,19 @@ def matvec(x, w):
     from .ops import OPS
 
     return OPS[kind](x, *planes)
+
+
+def quantized_x(x):
+    """x [..., K] as the kernels multiply it with quantized weights: each block of 32 values
+    quantized as gguf's Q8_0 reference quantizer does (scale max|x| / 127, values rounded half away
+    from zero, the scale stored as float16) and dequantized to float32."""
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    v = blocks * (1 / scale).masked_fill(scale == 0, 0)
+    a = v.abs()
+    whole = a.floor()
+    q = (whole + (2 * (a - whole)).floor()).copysign(v)
+    return (q * scale.half().float()).reshape(x.shape)
 
 
 def cache_dir() -> Path:

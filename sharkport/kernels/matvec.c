@@ -4,10 +4,16 @@
 // that iree-compile links into the module (an IREE "custom dispatch"), so it must stay
 // freestanding: no libc, no globals, no thread-local state.
 //
-// Each workgroup computes ROWS outputs n of every row m. The weights of a row n are loaded and
-// widened to float32 once, then multiplied with every row of x (at most MAX_M at a time), so a
-// decode step of batch M reads each weight once. Per block of 32 values the partial dot product
-// is scaled by the block's float16 scale, as ggml's dequantization multiplies each value by it.
+// Each workgroup computes `rows` outputs n (an argument: sharkport.kernels.ops aims at about 8
+// workgroups per product) of every row m, reading each weight once for all rows of x, so a
+// decode step of batch M reads the weights once.
+//
+// Quantized weights multiply 8-bit integers, as ggml does on CPUs: each workgroup first
+// quantizes its rows of x in blocks of 32 exactly as gguf's Q8_0 reference quantizer does
+// (scale = max |x| / 127 rounded to float16, values rounded half away from zero), then each
+// block's dot product is a sum of 8-bit integer products (AVX2 `maddubs`), scaled by the
+// weight's and x's block scales. Results are the exact product of the dequantized weights with
+// the Q8_0-dequantized x, up to float32 rounding of the block sums.
 //
 // Each memref argument arrives as MLIR's expanded descriptor: (base, aligned, offset, size,
 // stride).
@@ -15,147 +21,252 @@
 #include <stddef.h>
 #include <stdint.h>
 
-// ROWS (outputs per workgroup) and XSUM_BLOCKS come from sharkport.kernels' CFLAGS.
+// MAX_BLOCKS (blocks of 32 in a row of w) and XQ_BYTES (bytes of quantized x a workgroup keeps
+// on its stack; IREE's workers have 128 KiB) come from sharkport.kernels' CFLAGS.
 #define MAX_M 8
 #define MEMREF(T, name) \
   T *restrict name, T *restrict name##_aligned, size_t name##_offset, size_t name##_size, size_t name##_stride
 #define BASE(name) (name##_aligned + name##_offset)  // MLIR: element i is at aligned + offset + i
+#define INLINE static inline __attribute__((always_inline))
 
-static inline __m256 widen_i8(const int8_t *p) {  // 8 int8 -> 8 float
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-}
-
-static inline void nibbles(const uint8_t *p, __m256 *lo, __m256 *hi) {  // 8 bytes -> 2 x 8 float
-  __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-  *lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
-  *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
-}
-
-static inline float hsum(__m256 v) {
+INLINE float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
 
-static inline float half(uint16_t h) { return _cvtsh_ss(h); }
+INLINE float half(uint16_t h) { return _cvtsh_ss(h); }
 
-// w0..w3: the 32 values of one block as float32 (w[8i .. 8i+7] in wi).
-#define DOT32(x, w0, w1, w2, w3)                                                    \
-  _mm256_fmadd_ps(w3, _mm256_loadu_ps((x) + 24),                                   \
-      _mm256_fmadd_ps(w2, _mm256_loadu_ps((x) + 16),                               \
-          _mm256_fmadd_ps(w1, _mm256_loadu_ps((x) + 8), _mm256_mul_ps(w0, _mm256_loadu_ps(x)))))
-#define SUM32(x) \
-  _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps((x) + 8)), \
-                _mm256_add_ps(_mm256_loadu_ps((x) + 16), _mm256_loadu_ps((x) + 24)))
+// ---- x quantized in blocks of 32 (gguf's Q8_0 reference: quantize_row_q8_0_ref) ----
 
-#define ROW_RANGE                                      \
-  size_t n0 = wg * ROWS, n1 = n0 + ROWS < N ? n0 + ROWS : N; \
+INLINE __m256 round_half_away(__m256 v) {  // as gguf's np_roundf: floor(|v|) + floor(2 frac)
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 a = _mm256_andnot_ps(sign, v);
+  __m256 f = _mm256_floor_ps(a);
+  __m256 r = _mm256_add_ps(f, _mm256_floor_ps(_mm256_add_ps(_mm256_sub_ps(a, f), _mm256_sub_ps(a, f))));
+  return _mm256_or_ps(r, _mm256_and_ps(sign, v));
+}
+
+// Rows x[0 .. mc) of length K = 32 B into q [mc, K] int8 and per block: scale d [mc, B] and
+// d * (sum of the block's q) in s [mc, B].
+static void quantize_x(const float *x, size_t mc, size_t K, int8_t *q, float *d, float *s) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
   size_t B = K / 32;
+  for (size_t i = 0; i < mc * B; ++i, x += 32, q += 32) {
+    __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8), v2 = _mm256_loadu_ps(x + 16),
+           v3 = _mm256_loadu_ps(x + 24);
+    __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                             _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    float scale = _mm_cvtss_f32(m4) / 127.0f;
+    __m256 inv = _mm256_set1_ps(scale != 0.0f ? 1.0f / scale : 0.0f);
+    __m256i i0 = _mm256_cvttps_epi32(round_half_away(_mm256_mul_ps(v0, inv)));
+    __m256i i1 = _mm256_cvttps_epi32(round_half_away(_mm256_mul_ps(v1, inv)));
+    __m256i i2 = _mm256_cvttps_epi32(round_half_away(_mm256_mul_ps(v2, inv)));
+    __m256i i3 = _mm256_cvttps_epi32(round_half_away(_mm256_mul_ps(v3, inv)));
+    __m256i total = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+    __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t4 = _mm_hadd_epi32(t4, t4);
+    t4 = _mm_hadd_epi32(t4, t4);
+    // pack 4 x 8 int32 to 32 int8; the packs work within 128-bit lanes, the permute restores order
+    __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+    packed = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, packed);
+    d[i] = half(_cvtss_sh(scale, _MM_FROUND_TO_NEAREST_INT));  // stored as float16, as Q8_0 does
+    s[i] = d[i] * (float)_mm_cvtsi128_si32(t4);
+  }
+}
+
+// Workspace of one workgroup: its rows of x quantized (q, with per block the scale xd and
+// xd * sum of q, xs), and for the row of w at hand the products of its block scales with x's (cs).
+typedef struct {
+  int8_t q[XQ_BYTES];
+  float xd[XQ_BYTES / 32], xs[XQ_BYTES / 32], cs[XQ_BYTES / 32];
+} workspace;
+
+// Rows of x a workgroup quantizes at a time: all of them (up to MAX_M) if they fit.
+INLINE size_t chunk_rows(size_t M, size_t m0, size_t K) {
+  size_t fit = XQ_BYTES / K, left = M - m0, mc = left < MAX_M ? left : MAX_M;
+  return mc < fit ? mc : fit;
+}
+
+enum { Q8_0, Q4_0, Q4_1 };
+
+// For one row of w with block scales d (and offsets m, Q4_1): cs[i, b] = d[b] xd[i, b] for the
+// MC rows i of x, and in off[i] the offset term: sum over blocks of the block's offset (Q4_0:
+// -8 d, Q4_1: m; Q8_0 has none) times the sum of x's block.
+INLINE void row_scales(workspace *ws, int kind, const uint16_t *d, const uint16_t *m, size_t MC, size_t B,
+                       float *off) {
+  __m256 oacc[MC];
+  for (size_t i = 0; i < MC; ++i) oacc[i] = _mm256_setzero_ps();
+  size_t b = 0;
+  for (; b + 8 <= B; b += 8) {
+    __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b)));
+    __m256 ov = kind == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + b)))
+                             : _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f));
+    for (size_t i = 0; i < MC; ++i) {
+      _mm256_storeu_ps(ws->cs + i * B + b, _mm256_mul_ps(dv, _mm256_loadu_ps(ws->xd + i * B + b)));
+      if (kind != Q8_0) oacc[i] = _mm256_fmadd_ps(ov, _mm256_loadu_ps(ws->xs + i * B + b), oacc[i]);
+    }
+  }
+  for (size_t i = 0; i < MC; ++i) off[i] = kind == Q8_0 ? 0.0f : hsum(oacc[i]);
+  for (; b < B; ++b) {
+    float dv = half(d[b]), ov = kind == Q4_1 ? half(m[b]) : -8.0f * dv;
+    for (size_t i = 0; i < MC; ++i) {
+      ws->cs[i * B + b] = dv * ws->xd[i * B + b];
+      if (kind != Q8_0) off[i] += ov * ws->xs[i * B + b];
+    }
+  }
+}
+
+// 8 float partial sums of the products of 32 unsigned and 32 signed bytes
+INLINE __m256 dot_u8s8(__m256i u, __m256i s) {
+  __m256i pairs = _mm256_maddubs_epi16(u, s);  // |u| <= 128, |s| <= 127: no saturation
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+INLINE __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+// 16 bytes of a Q4 block -> its 32 values (0..15): byte j holds value j (low nibble) and j + 16
+INLINE __m256i nibbles(const uint8_t *p) {
+  __m128i b = _mm_loadu_si128((const __m128i *)p);
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(15));
+}
+
+// Independent multiply-add chains per row of x: with few rows, several partial sums keep the
+// FMA units busy; with many, the rows do (AVX2 has 16 vector registers).
+#define SPLIT(MC) ((MC) == 1 ? 4 : (MC) == 2 ? 2 : 1)
+
+// Block b of w times block b of every row of x, scaled, into partial sum u.
+#define Q_STEP(b, u)                                                                            \
+  {                                                                                             \
+    __m256i w, aw;                                                                              \
+    if (kind == Q8_0) {                                                                         \
+      w = load32((const int8_t *)qn + 32 * (b));                                                \
+      aw = _mm256_sign_epi8(w, w);                                                              \
+    } else {                                                                                    \
+      w = aw = nibbles((const uint8_t *)qn + 16 * (b));                                         \
+    }                                                                                           \
+    for (size_t i = 0; i < MC; ++i) {                                                           \
+      __m256i xb = load32(ws->q + i * K + 32 * (b));                                            \
+      /* maddubs multiplies unsigned by signed bytes: Q8_0 passes |w| and x with w's sign */   \
+      __m256 p = dot_u8s8(aw, kind == Q8_0 ? _mm256_sign_epi8(xb, w) : xb);                     \
+      acc[i][u] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(ws->cs + i * B + (b)), acc[i][u]);     \
+    }                                                                                           \
+  }
+
+// One row n of a quantized w (its blocks at qn, scales d, offsets m) times MC rows of x.
+INLINE void q_row(workspace *ws, int kind, const void *qn, const uint16_t *d, const uint16_t *m, size_t MC,
+                  size_t K, float *out) {
+  size_t B = K / 32;
+  row_scales(ws, kind, d, m, MC, B, out);
+  __m256 acc[MC][4];  // SPLIT(MC) used; the blocks are unrolled so that each stays in a register
+  for (size_t i = 0; i < MC; ++i)
+    for (size_t u = 0; u < SPLIT(MC); ++u) acc[i][u] = _mm256_setzero_ps();
+  size_t b = 0;
+  for (; b + SPLIT(MC) <= B; b += SPLIT(MC)) {
+    Q_STEP(b, 0)
+    if (SPLIT(MC) > 1) Q_STEP(b + 1, 1)
+    if (SPLIT(MC) > 2) Q_STEP(b + 2, 2)
+    if (SPLIT(MC) > 3) Q_STEP(b + 3, 3)
+  }
+  for (; b < B; ++b) Q_STEP(b, 0)
+  for (size_t i = 0; i < MC; ++i) {
+    for (size_t u = 1; u < SPLIT(MC); ++u) acc[i][0] = _mm256_add_ps(acc[i][0], acc[i][u]);
+    out[i] += hsum(acc[i][0]);
+  }
+}
+
+// Calls ROW(mc as a constant) so that each row count gets its own loop with registers for its
+// accumulators.
+#define FOR_CONSTANT_MC(mc, ROW) \
+  switch (mc) {                  \
+    case 1: ROW(1); break;       \
+    case 2: ROW(2); break;       \
+    case 3: ROW(3); break;       \
+    case 4: ROW(4); break;       \
+    case 5: ROW(5); break;       \
+    case 6: ROW(6); break;       \
+    case 7: ROW(7); break;       \
+    default: ROW(MAX_M); break;  \
+  }
+
+// Outputs [n0, n1) of workgroup wg, `rows` per workgroup.
+#define ROW_RANGE size_t n0 = wg * rows, n1 = n0 + rows < N ? n0 + rows : N;
+
+INLINE void matvec_q(int kind, const float *x, const void *qs, const uint16_t *d, const uint16_t *m, float *y,
+                     size_t M, size_t N, size_t K, size_t rows, size_t wg) {
+  ROW_RANGE
+  size_t B = K / 32, row_bytes = kind == Q8_0 ? K : K / 2;
+  if (B > MAX_BLOCKS) return;  // never traced: kernels.matvec routes only rows this short
+  workspace ws;
+  for (size_t m0 = 0, mc; m0 < M; m0 += mc) {
+    mc = chunk_rows(M, m0, K);
+    quantize_x(x + m0 * K, mc, K, ws.q, ws.xd, ws.xs);
+    for (size_t n = n0; n < n1; ++n) {
+      float out[MAX_M];
+#define ROW(MC) q_row(&ws, kind, (const uint8_t *)qs + n * row_bytes, d + n * B, m ? m + n * B : 0, MC, K, out)
+      FOR_CONSTANT_MC(mc, ROW)
+#undef ROW
+      for (size_t i = 0; i < mc; ++i) y[(m0 + i) * N + n] = out[i];
+    }
+  }
+}
 
 void sharkport_matvec_q8_0(MEMREF(const float, x), MEMREF(const int8_t, qs), MEMREF(const uint16_t, d),
-                           MEMREF(float, y), size_t M, size_t N, size_t K, size_t wg) {
-  ROW_RANGE
-  for (size_t m0 = 0; m0 < M; m0 += MAX_M) {
-    size_t mc = M - m0 < MAX_M ? M - m0 : MAX_M;
-    for (size_t n = n0; n < n1; ++n) {
-      const int8_t *q = BASE(qs) + n * K;
-      const uint16_t *dn = BASE(d) + n * B;
-      __m256 acc[MAX_M];
-      for (size_t i = 0; i < mc; ++i) acc[i] = _mm256_setzero_ps();
-      for (size_t b = 0; b < B; ++b, q += 32) {
-        __m256 w0 = widen_i8(q), w1 = widen_i8(q + 8), w2 = widen_i8(q + 16), w3 = widen_i8(q + 24);
-        __m256 scale = _mm256_set1_ps(half(dn[b]));
-        for (size_t i = 0; i < mc; ++i) {
-          const float *xb = BASE(x) + (m0 + i) * K + 32 * b;
-          acc[i] = _mm256_fmadd_ps(DOT32(xb, w0, w1, w2, w3), scale, acc[i]);
-        }
-      }
-      for (size_t i = 0; i < mc; ++i) BASE(y)[(m0 + i) * N + n] = hsum(acc[i]);
-    }
-  }
-}
-
-// Q4_0 (no `mins`: value = d * q - 8 d) and Q4_1 (value = d * q + m). The offset term of a row,
-// sum over blocks of (offset) * (sum of x over the block), is a dot product of two vectors of B
-// floats: the block sums of x (once per workgroup) and the row's offsets; the row's scales are
-// widened to float once, so the inner loop has no scalar work. Rows of K <= 32 * XSUM_BLOCKS.
-static inline void widen_halves(const uint16_t *h, float *out, size_t n) {  // float16 -> float
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
-  for (; i < n; ++i) out[i] = half(h[i]);
-}
-
-static inline float dot(const float *a, const float *b, size_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float sum = hsum(acc);
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
-
-static inline void matvec_q4(const float *x, const uint8_t *qs, const uint16_t *d, const uint16_t *mins,
-                             float *y, size_t M, size_t N, size_t K, size_t wg) {
-  ROW_RANGE
-  float xsum[MAX_M * XSUM_BLOCKS], scales[XSUM_BLOCKS], offsets[XSUM_BLOCKS];
-  if (B > XSUM_BLOCKS) return;  // never traced: kernels.matvec only routes rows this short
-  for (size_t m0 = 0; m0 < M; m0 += MAX_M) {
-    size_t mc = M - m0 < MAX_M ? M - m0 : MAX_M;
-    for (size_t i = 0; i < mc; ++i)
-      for (size_t b = 0; b < B; ++b) xsum[i * B + b] = hsum(SUM32(x + (m0 + i) * K + 32 * b));
-    for (size_t n = n0; n < n1; ++n) {
-      const uint8_t *q = qs + n * (K / 2);
-      widen_halves(d + n * B, scales, B);
-      if (mins) {
-        widen_halves(mins + n * B, offsets, B);
-      } else {
-        for (size_t b = 0; b < B; ++b) offsets[b] = -8.0f * scales[b];
-      }
-      __m256 acc[MAX_M];
-      for (size_t i = 0; i < mc; ++i) acc[i] = _mm256_setzero_ps();
-      for (size_t b = 0; b < B; ++b, q += 16) {
-        __m256 w0, w1, w2, w3;  // bytes 0..7: values 0..7 (low) and 16..23 (high); 8..15: 8..15, 24..31
-        nibbles(q, &w0, &w2);
-        nibbles(q + 8, &w1, &w3);
-        __m256 scale = _mm256_broadcast_ss(scales + b);
-        for (size_t i = 0; i < mc; ++i) {
-          const float *xb = x + (m0 + i) * K + 32 * b;
-          acc[i] = _mm256_fmadd_ps(DOT32(xb, w0, w1, w2, w3), scale, acc[i]);
-        }
-      }
-      for (size_t i = 0; i < mc; ++i) y[(m0 + i) * N + n] = hsum(acc[i]) + dot(offsets, xsum + i * B, B);
-    }
-  }
+                           MEMREF(float, y), size_t M, size_t N, size_t K, size_t rows, size_t wg) {
+  matvec_q(Q8_0, BASE(x), BASE(qs), BASE(d), 0, BASE(y), M, N, K, rows, wg);
 }
 
 void sharkport_matvec_q4_0(MEMREF(const float, x), MEMREF(const uint8_t, qs), MEMREF(const uint16_t, d),
-                           MEMREF(float, y), size_t M, size_t N, size_t K, size_t wg) {
-  matvec_q4(BASE(x), BASE(qs), BASE(d), 0, BASE(y), M, N, K, wg);
+                           MEMREF(float, y), size_t M, size_t N, size_t K, size_t rows, size_t wg) {
+  matvec_q(Q4_0, BASE(x), BASE(qs), BASE(d), 0, BASE(y), M, N, K, rows, wg);
 }
 
 void sharkport_matvec_q4_1(MEMREF(const float, x), MEMREF(const uint8_t, qs), MEMREF(const uint16_t, d),
                            MEMREF(const uint16_t, mins), MEMREF(float, y), size_t M, size_t N, size_t K,
-                           size_t wg) {
-  matvec_q4(BASE(x), BASE(qs), BASE(d), BASE(mins), BASE(y), M, N, K, wg);
+                           size_t rows, size_t wg) {
+  matvec_q(Q4_1, BASE(x), BASE(qs), BASE(d), BASE(mins), BASE(y), M, N, K, rows, wg);
 }
 
-// float16 weights [N, K]; K any multiple of 8.
+// float16 weights [N, K], K a multiple of 8, times float32 x (not quantized).
+INLINE void f16_row(const float *x, const uint16_t *wn, size_t MC, size_t K, float *out) {
+  __m256 acc[MC][4];
+  for (size_t i = 0; i < MC; ++i)
+    for (size_t u = 0; u < SPLIT(MC); ++u) acc[i][u] = _mm256_setzero_ps();
+#define F16_STEP(k, u)                                                                               \
+  {                                                                                                  \
+    __m256 wk = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wn + (k))));                      \
+    for (size_t i = 0; i < MC; ++i) acc[i][u] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(x + i * K + (k)), acc[i][u]); \
+  }
+  size_t k = 0;
+  for (; k + 8 * SPLIT(MC) <= K; k += 8 * SPLIT(MC)) {
+    F16_STEP(k, 0)
+    if (SPLIT(MC) > 1) F16_STEP(k + 8, 1)
+    if (SPLIT(MC) > 2) F16_STEP(k + 16, 2)
+    if (SPLIT(MC) > 3) F16_STEP(k + 24, 3)
+  }
+  for (; k < K; k += 8) F16_STEP(k, 0)
+  for (size_t i = 0; i < MC; ++i) {
+    for (size_t u = 1; u < SPLIT(MC); ++u) acc[i][0] = _mm256_add_ps(acc[i][0], acc[i][u]);
+    out[i] = hsum(acc[i][0]);
+  }
+}
+
 void sharkport_matvec_f16(MEMREF(const float, x), MEMREF(const uint16_t, w), MEMREF(float, y),
-                          size_t M, size_t N, size_t K, size_t wg) {
-  size_t n0 = wg * ROWS, n1 = n0 + ROWS < N ? n0 + ROWS : N;
-  for (size_t m0 = 0; m0 < M; m0 += MAX_M) {
-    size_t mc = M - m0 < MAX_M ? M - m0 : MAX_M;
+                          size_t M, size_t N, size_t K, size_t rows, size_t wg) {
+  ROW_RANGE
+  for (size_t m0 = 0, mc; m0 < M; m0 += mc) {
+    mc = M - m0 < MAX_M ? M - m0 : MAX_M;
     for (size_t n = n0; n < n1; ++n) {
-      const uint16_t *wn = BASE(w) + n * K;
-      __m256 acc[MAX_M];
-      for (size_t i = 0; i < mc; ++i) acc[i] = _mm256_setzero_ps();
-      for (size_t k = 0; k < K; k += 8) {
-        __m256 wk = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wn + k)));
-        for (size_t i = 0; i < mc; ++i)
-          acc[i] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(BASE(x) + (m0 + i) * K + k), acc[i]);
-      }
-      for (size_t i = 0; i < mc; ++i) BASE(y)[(m0 + i) * N + n] = hsum(acc[i]);
+      float out[MAX_M] = {0};
+#define ROW(MC) f16_row(BASE(x) + m0 * K, BASE(w) + n * K, MC, K, out)
+      FOR_CONSTANT_MC(mc, ROW)
+#undef ROW
+      for (size_t i = 0; i < mc; ++i) BASE(y)[(m0 + i) * N + n] = out[i];
     }
   }
 }

@@ -8,16 +8,17 @@ from iree.turbine.runtime.op_reg import CustomOp, KernelBuilder, KernelSelection
 
 from ..archive.tensors import QuantizedTensor
 from ..mlir_ops import call_mlir_function
-from . import PLANES, ROWS, SIZES, object_path
+from . import MAX_ROWS_PER_WORKGROUP, PLANES, ROW_QUANTUM, SIZES, WORKGROUPS, object_path, quantized_x
 
 
 _LIBRARY = def_library("sharkport_kernels")
 
 
 def _eager(kind: str, x: torch.Tensor, *planes: torch.Tensor) -> torch.Tensor:
-    w = planes[0] if kind == "F16" else QuantizedTensor(kind, (planes[0].shape[0], x.shape[1]),
-                                                        dict(zip(PLANES[kind], planes))).dequant()
-    return torch.mm(x, w.to(torch.float32).t())
+    if kind == "F16":
+        return torch.mm(x, planes[0].to(torch.float32).t())
+    w = QuantizedTensor(kind, (planes[0].shape[0], x.shape[1]), dict(zip(PLANES[kind], planes))).dequant()
+    return torch.mm(quantized_x(x), w.to(torch.float32).t())
 
 
 def _tensor_type(rank: int, element: str) -> str:
@@ -40,7 +41,8 @@ def _function_name(kind: str) -> str:
 
 def _module(kind: str, arg_types: list[tuple[int, str]]) -> str:
     """MLIR module text of the kernel for `kind`: util.func `_function_name(kind)` taking x and the
-    planes (all dims dynamic), which dispatches the C function over ceil(N / ROWS) workgroups."""
+    planes (all dims dynamic), which dispatches the C function over ceil(N / rows) workgroups of
+    `rows` outputs each (see kernels.ROW_QUANTUM)."""
     c_name, name = _c_name(kind), _function_name(kind)
     types = [_tensor_type(r, e) for r, e in arg_types]
     elements = [e for _, e in arg_types] + ["f32"]
@@ -65,19 +67,19 @@ module {{
       ]
     }}>
   }} {{
-    stream.executable.export public @{c_name}_entry workgroups(%n: index) -> (index, index, index) {{
-      %x = affine.apply affine_map<()[s0] -> (s0 ceildiv {ROWS})>()[%n]
+    stream.executable.export public @{c_name}_entry workgroups(%n: index, %rows: index) -> (index, index, index) {{
+      %x = arith.ceildivui %n, %rows : index
       %c1 = arith.constant 1 : index
       stream.return %x, %c1, %c1 : index, index, index
     }}
     builtin.module {{
-      func.func private @{c_name}({memrefs}, index, index, index, index) attributes {{hal.import.static}}
-      func.func @{c_name}_entry({bindings}, %m: index, %n: index, %k: index) {{
+      func.func private @{c_name}({memrefs}, index, index, index, index, index) attributes {{hal.import.static}}
+      func.func @{c_name}_entry({bindings}, %m: index, %n: index, %k: index, %rows: index) {{
         %c0 = arith.constant 0 : index
         %wg = hal.interface.workgroup.id[0] : index
 {sizes}
 {subspans}
-        func.call @{c_name}({", ".join(f"%s{i}" for i in range(n_args))}, %m, %n, %k, %wg) : ({memrefs}, index, index, index, index) -> ()
+        func.call @{c_name}({", ".join(f"%s{i}" for i in range(n_args))}, %m, %n, %k, %rows, %wg) : ({memrefs}, index, index, index, index, index) -> ()
         return
       }}
     }}
@@ -87,7 +89,8 @@ module {{
     %c1 = arith.constant 1 : index
     %c2 = arith.constant 2 : index
 {dim_ops}
-    %y = flow.dispatch @{c_name}_executable::@{c_name}_entry[%a1d0]({args}, %a0d0, %a1d0, %a0d1) : ({operand_types}, index, index, index) -> tensor<?x?xf32>{{%a0d0, %a1d0}}
+    %rows = affine.min affine_map<()[s0] -> ((s0 ceildiv {ROW_QUANTUM * WORKGROUPS}) * {ROW_QUANTUM}, {MAX_ROWS_PER_WORKGROUP})>()[%a1d0]
+    %y = flow.dispatch @{c_name}_executable::@{c_name}_entry[%a1d0, %rows]({args}, %a0d0, %a1d0, %a0d1, %rows) : ({operand_types}, index, index, index, index) -> tensor<?x?xf32>{{%a0d0, %a1d0}}
     util.return %y : tensor<?x?xf32>
   }}
 }}"""
