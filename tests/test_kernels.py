@@ -124,7 +124,8 @@ def _q8_0_inputs(model: torch.nn.Module) -> list:
 @pytest.mark.parametrize("type_name", ["q8_0", "q4_1", "f16"])
 def test_tiny_llama_decodes_through_the_kernels_as_transformers(quantized_tiny, type_name, tmp_path):
     """Prefill 5 tokens, then teacher-forced decode at batch 4 (every row the same sequence, on
-    its own pages): each step's logits equal transformers' over the same quantized GGUF, with its
+    its own pages; products and attention through the kernels, the 4 query heads on one kv head,
+    positions over two pages): each step's logits equal transformers' over the same quantized GGUF, with its
     prefill in float32 and, for quantized weights, its decode steps multiplying x quantized to
     Q8_0 by gguf.quants (the kernels' 8-bit products; prefill keeps the float32 product)."""
     import gguf
@@ -143,10 +144,11 @@ def test_tiny_llama_decodes_through_the_kernels_as_transformers(quantized_tiny, 
     output, service = export_model(Dataset.load(irpa), config, ModelConfig(block_seq_stride=config.block_seq_stride))
     save_export(output, service, tmp_path / "m.mlir", tmp_path / "m.json")
     assert kernels.referenced_by(tmp_path / "m.mlir")
+    assert "sharkport_decode_attention" in (tmp_path / "m.mlir").read_text(), "decode attention took the traced form"
     compile_mlir(tmp_path / "m.mlir", tmp_path / "m.vmfb")
     session = IreeSession(tmp_path / "m.vmfb", irpa, tmp_path / "m.json", pages=config.device_block_count)
 
-    ids = [3, 99, 14, 200, 7, 7, 51, 128, 60, 2, 31, 90]
+    ids = [3, 99, 14, 200, 7, 7, 51, 128, 60, 2, 31, 90, 17, 5, 250, 33, 8, 64, 101, 12]  # 20: two pages of 16
     prompt, stride = 5, config.block_seq_stride
     hf = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     want = {}

@@ -32,9 +32,11 @@ from ..errors import SharkportError
 SOURCE = Path(__file__).with_name("matvec.c")
 MAX_ROWS = 8  # products over more rows of x keep the traced form (prefill, large batches)
 MAX_K = 32 * 512  # longest rows of w: a workgroup keeps x quantized (MAX_K bytes a row) on its stack
+# decode attention: query heads per kv head times head_dim, and positions per page, it takes
+MAX_GD, MAX_STRIDE = 2048, 256
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffreestanding", "-fPIC", "-fno-stack-protector",
           "-fno-asynchronous-unwind-tables", "-fno-plt", "-fvisibility=hidden", "-std=c11",
-          f"-DMAX_BLOCKS={MAX_K // 32}", f"-DXQ_BYTES={MAX_K}"]
+          f"-DMAX_BLOCKS={MAX_K // 32}", f"-DXQ_BYTES={MAX_K}", f"-DMAX_GD={MAX_GD}", f"-DMAX_STRIDE={MAX_STRIDE}"]
 # Outputs per workgroup for a product with N outputs: min(256, 32 * ceil(N / 256)), a multiple of
 # 32 aiming at 8 workgroups (enough to share among a few workers; fewer, larger ones quantize x
 # fewer times). SmolLM2: 32 rows for 192 outputs, 256 for the 49152 of the output projection.
@@ -86,6 +88,29 @@ def matvec(x, w):
     from .ops import OPS
 
     return OPS[kind](x, *planes)
+
+
+def decode_attention(q, cache_state, cache, layer, page_ids, seq_lens, scale: float, window: int = 0,
+                     logit_cap: float = 0.0):
+    """Attention of each sequence's one query position over its pages through the kernel:
+    q [B, 1, H, D] float32 (after rotary), cache_state as `cache` (a layers.PagedCache) lays it
+    out, K/V of positions < seq_lens → [B, 1, H, D]; or None where the kernel does not apply:
+    outside `enabled()`, a sliding window, soft-capping, a cache or q not in float32, shapes
+    beyond MAX_GD / MAX_STRIDE."""
+    import torch
+
+    B, S, H, D = q.shape
+    G = H // cache.kv_heads
+    if not (_enabled and isinstance(S, int) and S == 1 and q.dtype == torch.float32
+            and cache_state.dtype == torch.float32 and not window and not logit_cap
+            and D % 8 == 0 and G * D <= MAX_GD and cache.stride <= MAX_STRIDE):
+        return None
+    from .ops import AttentionShape, attention_op
+
+    shape = AttentionShape(H, cache.kv_heads, D, cache.block_count, cache.stride, float(scale))
+    layer = layer.reshape(1) if isinstance(layer, torch.Tensor) else torch.tensor([layer], dtype=torch.int64)
+    out = attention_op(shape)(q.reshape(B, H * D), cache_state, page_ids, seq_lens, layer)
+    return out.view(B, 1, H, D)
 
 
 def quantized_x(x):

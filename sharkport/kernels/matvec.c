@@ -270,3 +270,89 @@ void sharkport_matvec_f16(MEMREF(const float, x), MEMREF(const uint16_t, w), MEM
     }
   }
 }
+
+// ---- Decode attention over the paged KV cache ----
+//
+// One query position per sequence attends to the positions [0, len) of its pages. The cache is
+// sharkport.layers.PagedCache's flat float32 [pages, L, 2 (K, V), stride, Hkv, D]. Each
+// workgroup takes one (sequence, kv head) and its G query heads, so that K and V are read once;
+// it walks the sequence a page at a time with a running softmax (scores of a page, their max,
+// the earlier sums rescaled), in float32 throughout.
+
+// exp(x) for x <= 0 (scores minus their running max): 2^n exp(r), n = round(x / ln 2),
+// r = x - n ln 2 in two parts, exp(r) by its Taylor polynomial of degree 7 (|r| <= 0.35:
+// relative error below 2e-8 before float32 rounding). x below -87 gives exp(-87), about 1.6e-38.
+INLINE __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+INLINE float exp_scalar(float x) { return _mm256_cvtss_f32(exp_nonpositive(_mm256_set1_ps(x))); }
+
+// MAX_GD (query heads per kv head times head_dim) and MAX_STRIDE come from CFLAGS.
+void sharkport_decode_attention(MEMREF(const float, q), MEMREF(const float, cache), MEMREF(const int64_t, pages),
+                                MEMREF(const int64_t, lens), MEMREF(const int64_t, layer), MEMREF(float, out),
+                                size_t blocks, size_t H, size_t Hkv, size_t D, size_t L, size_t stride,
+                                float scale, size_t wg) {
+  size_t b = wg / Hkv, g = wg % Hkv, G = H / Hkv;
+  if (G * D > MAX_GD || stride > MAX_STRIDE || D % 8) return;  // never traced: kernels routes only these
+  const float *qb = BASE(q) + (b * H + g * G) * D;  // the G query heads of kv head g, [G, D]
+  const int64_t *page_ids = BASE(pages) + b * blocks;
+  size_t len = (size_t)BASE(lens)[b], l = (size_t)BASE(layer)[0];
+  size_t slot_elems = Hkv * D, kv_elems = stride * slot_elems;  // one K (or V) of a page and layer
+  float acc[MAX_GD], run_max[MAX_GD / 8], run_sum[MAX_GD / 8], p[MAX_STRIDE];
+  for (size_t i = 0; i < G * D; ++i) acc[i] = 0.0f;
+  for (size_t h = 0; h < G; ++h) run_max[h] = -__builtin_inff(), run_sum[h] = 0.0f;
+  for (size_t t0 = 0; t0 < len; t0 += stride) {
+    size_t n = len - t0 < stride ? len - t0 : stride;
+    const float *k = BASE(cache) + ((size_t)page_ids[t0 / stride] * L + l) * 2 * kv_elems + g * D;
+    const float *v = k + kv_elems;
+    for (size_t h = 0; h < G; ++h) {
+      const float *qh = qb + h * D;
+      float page_max = -__builtin_inff();
+      for (size_t j = 0; j < n; ++j) {
+        __m256 s = _mm256_setzero_ps();
+        for (size_t d = 0; d < D; d += 8)
+          s = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(k + j * slot_elems + d), s);
+        p[j] = hsum(s) * scale;
+        page_max = p[j] > page_max ? p[j] : page_max;
+      }
+      float m = page_max > run_max[h] ? page_max : run_max[h];
+      float rescale = exp_scalar(run_max[h] - m);  // 0 on the first page (exp(-inf) clamps to ~0)
+      run_max[h] = m;
+      __m256 mv = _mm256_set1_ps(m), total = _mm256_setzero_ps();
+      size_t j = 0;
+      for (; j + 8 <= n; j += 8) {
+        __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + j), mv));
+        _mm256_storeu_ps(p + j, e);
+        total = _mm256_add_ps(total, e);
+      }
+      float sum = hsum(total);
+      for (; j < n; ++j) sum += p[j] = exp_scalar(p[j] - m);
+      run_sum[h] = run_sum[h] * rescale + sum;
+      float *ah = acc + h * D;
+      for (size_t d = 0; d < D; d += 8) {
+        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(ah + d), _mm256_set1_ps(rescale));
+        for (size_t jj = 0; jj < n; ++jj)
+          a = _mm256_fmadd_ps(_mm256_set1_ps(p[jj]), _mm256_loadu_ps(v + jj * slot_elems + d), a);
+        _mm256_storeu_ps(ah + d, a);
+      }
+    }
+  }
+  float *ob = BASE(out) + (b * H + g * G) * D;
+  for (size_t h = 0; h < G; ++h)
+    for (size_t d = 0; d < D; ++d) ob[h * D + d] = acc[h * D + d] / run_sum[h];
+}

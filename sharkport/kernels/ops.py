@@ -3,6 +3,10 @@ linking matvec.c's object; eagerly, the same product in torch."""
 
 from __future__ import annotations
 
+import functools
+import struct
+from dataclasses import dataclass
+
 import torch
 from iree.turbine.runtime.op_reg import CustomOp, KernelBuilder, KernelSelection, def_library
 
@@ -132,3 +136,128 @@ def _register(kind: str):
 
 
 OPS = {kind: _register(kind) for kind in PLANES}
+
+
+# ---- decode attention over the paged cache (matvec.c's sharkport_decode_attention) ----
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What a decode attention op is specialised for (baked into its MLIR as constants)."""
+    heads: int
+    kv_heads: int
+    head_dim: int
+    layers: int  # of the cache
+    stride: int  # positions per page
+    scale: float
+
+    @property
+    def scale_bits(self) -> int:
+        """The scale as float32 bits (as the C function receives it)."""
+        return struct.unpack("<I", struct.pack("<f", self.scale))[0]
+
+    @property
+    def name(self) -> str:
+        return (f"sharkport_decode_attention_h{self.heads}_kv{self.kv_heads}_d{self.head_dim}"
+                f"_l{self.layers}_s{self.stride}_x{self.scale_bits:08x}")
+
+
+def _attention_module(shape: AttentionShape) -> str:
+    """util.func `shape.name`(q [B, H*D], cache [P, page_elems], pages [B, blocks], lens [B],
+    layer [1]) -> [B, H*D], dispatching the C function over B * kv_heads workgroups."""
+    name, c_name = shape.name, "sharkport_decode_attention"
+    f32, i64 = _memref("f32"), _memref("i64")
+    memrefs = ", ".join([f32, f32, i64, i64, i64, f32])
+    bindings = ", ".join(f"%b{i}: !stream.binding" for i in range(6))
+    sizes = ["%nq", "%ncache", "%npages", "%nb", "%c1", "%nq"]
+    subspans = "\n".join(
+        f"        %s{i} = stream.binding.subspan %b{i}[%c0] : !stream.binding -> {t}{{{n}}}"
+        for i, (t, n) in enumerate(zip([f32, f32, i64, i64, i64, f32], sizes)))
+    return f"""
+module {{
+  stream.executable private @{name}_executable attributes {{
+    hal.executable.objects = #hal.executable.objects<{{
+      #hal.executable.target<"llvm-cpu", "embedded-elf-x86_64"> = [
+        #hal.executable.object<{{path = "{object_path().name}"}}>
+      ]
+    }}>
+  }} {{
+    stream.executable.export public @{name}_entry workgroups(%w: index) -> (index, index, index) {{
+      %c1 = arith.constant 1 : index
+      stream.return %w, %c1, %c1 : index, index, index
+    }}
+    builtin.module {{
+      func.func private @{c_name}({memrefs}, index, index, index, index, index, index, f32, index) attributes {{hal.import.static}}
+      func.func @{name}_entry({bindings}, %nq: index, %ncache: index, %npages: index, %nb: index, %blocks: index) {{
+        %c0 = arith.constant 0 : index
+        %c1 = arith.constant 1 : index
+        %wg = hal.interface.workgroup.id[0] : index
+{subspans}
+        %h = arith.constant {shape.heads} : index
+        %hkv = arith.constant {shape.kv_heads} : index
+        %d = arith.constant {shape.head_dim} : index
+        %l = arith.constant {shape.layers} : index
+        %stride = arith.constant {shape.stride} : index
+        %scale = arith.constant 0x{shape.scale_bits:08X} : f32
+        func.call @{c_name}(%s0, %s1, %s2, %s3, %s4, %s5, %blocks, %h, %hkv, %d, %l, %stride, %scale, %wg) : ({memrefs}, index, index, index, index, index, index, f32, index) -> ()
+        return
+      }}
+    }}
+  }}
+  util.func private @{name}(%q: tensor<?x?xf32>, %cache: tensor<?x?xf32>, %pages: tensor<?x?xi64>, %lens: tensor<?xi64>, %layer: tensor<?xi64>) -> tensor<?x?xf32> {{
+    %c0 = arith.constant 0 : index
+    %c1 = arith.constant 1 : index
+    %qd0 = tensor.dim %q, %c0 : tensor<?x?xf32>
+    %qd1 = tensor.dim %q, %c1 : tensor<?x?xf32>
+    %cd0 = tensor.dim %cache, %c0 : tensor<?x?xf32>
+    %cd1 = tensor.dim %cache, %c1 : tensor<?x?xf32>
+    %pd0 = tensor.dim %pages, %c0 : tensor<?x?xi64>
+    %pd1 = tensor.dim %pages, %c1 : tensor<?x?xi64>
+    %ld0 = tensor.dim %lens, %c0 : tensor<?xi64>
+    %yd0 = tensor.dim %layer, %c0 : tensor<?xi64>
+    %nq = arith.muli %qd0, %qd1 : index
+    %ncache = arith.muli %cd0, %cd1 : index
+    %npages = arith.muli %pd0, %pd1 : index
+    %hkv = arith.constant {shape.kv_heads} : index
+    %wgs = arith.muli %qd0, %hkv : index
+    %y = flow.dispatch @{name}_executable::@{name}_entry[%wgs](%q, %cache, %pages, %lens, %layer, %nq, %ncache, %npages, %ld0, %pd1) : (tensor<?x?xf32>{{%qd0, %qd1}}, tensor<?x?xf32>{{%cd0, %cd1}}, tensor<?x?xi64>{{%pd0, %pd1}}, tensor<?xi64>{{%ld0}}, tensor<?xi64>{{%yd0}}, index, index, index, index, index) -> tensor<?x?xf32>{{%qd0, %qd1}}
+    util.return %y : tensor<?x?xf32>
+  }}
+}}"""
+
+
+def _attention_eager(shape: AttentionShape, q, cache, pages, lens, layer) -> torch.Tensor:
+    """The same attention in torch, from the cache as laid out by sharkport.layers.PagedCache."""
+    B, (H, Hkv, D, S) = q.shape[0], (shape.heads, shape.kv_heads, shape.head_dim, shape.stride)
+    rows = cache.view(-1, shape.layers, 2, S, Hkv, D)[pages.flatten(), int(layer[0])]  # [B*blocks, 2, S, Hkv, D]
+    rows = rows.view(B, -1, 2, S, Hkv, D).transpose(1, 2).reshape(B, 2, -1, Hkv, D)
+    k, v = rows[:, 0].float(), rows[:, 1].float()  # [B, T, Hkv, D]
+    qh = q.view(B, Hkv, H // Hkv, D)
+    scores = torch.einsum("bhgd,bthd->bhgt", qh, k) * shape.scale
+    hidden = torch.arange(k.shape[1])[None, :] >= lens[:, None]
+    scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
+    return torch.einsum("bhgt,bthd->bhgd", torch.softmax(scores, -1), v).reshape(B, H * D)
+
+
+@functools.cache
+def attention_op(shape: AttentionShape):
+    """The turbine op for decode attention of `shape` (one op per shape: its constants are in its
+    name): op(q [B, H*D], cache_state [P, page_elems], pages [B, blocks], seq_lens [B],
+    layer [1]) -> [B, H*D]."""
+
+    class Op(CustomOp):
+        signature = f"{shape.name}(Tensor q, Tensor cache, Tensor pages, Tensor lens, Tensor layer) -> (Tensor)"
+
+        def select(self, ksel: KernelSelection):
+            q = ksel.arg_tensor(0)
+            for i in range(1, 5):
+                ksel.arg_tensor(i)
+            ksel.return_new_tensor(list(q.t.shape), torch.float32)
+
+        def eager_execute(self, q, cache, pages, lens, layer):
+            return _attention_eager(shape, q, cache, pages, lens, layer)
+
+        def generate(self, ksel: KernelSelection, kb: KernelBuilder):
+            call_mlir_function(kb, shape.name, lambda: _attention_module(shape))
+
+    Op.__name__ = shape.name
+    return CustomOp.register(library=_LIBRARY)(Op)

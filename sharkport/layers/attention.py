@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import kernels
 from ..archive.tensors import Theta
 from ..ops import apply_rope, attention, causal_mask, length_mask, linear, rms_norm
 from .paged_cache import PagedCache
@@ -60,7 +61,9 @@ class PagedAttention(torch.nn.Module):
 
     def _attend(self, q, k, v, mask) -> torch.Tensor:
         c = self.config
-        a = attention(q, k, v, mask, c.scale, c.logit_cap)
+        return self._output(attention(q, k, v, mask, c.scale, c.logit_cap))
+
+    def _output(self, a: torch.Tensor) -> torch.Tensor:
         return linear(a.flatten(2), self.theta["attn_output.weight"], self.theta.get("attn_output.bias"))
 
     def prefill(self, x: torch.Tensor, rope, cache_state: torch.Tensor,
@@ -76,6 +79,11 @@ class PagedAttention(torch.nn.Module):
         the window)."""
         q, k, v = self._qkv(x, rope)
         self.cache.write_positions(cache_state, self.layer, k, v, seq_block_ids, start_positions)
+        c = self.config
+        a = kernels.decode_attention(q, cache_state, self.cache, self.layer, seq_block_ids, seq_lens,
+                                     c.head_dim ** -0.5 if c.scale is None else c.scale, c.window, c.logit_cap)
+        if a is not None:  # export --matvec-kernels: one dispatch reading the pages in place
+            return self._output(a)
         k_all, v_all = self.cache.read(cache_state, self.layer, seq_block_ids, q.dtype)
         mask = length_mask(seq_lens, k_all.shape[1], q.dtype, self.config.window)
         return self._attend(q, k_all, v_all, mask)
