@@ -82,6 +82,95 @@ def test_kernel_product_equals_gguf_dequantization(kind, rows, n, tmp_path):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
+class _Fused(torch.nn.Module):
+    """ops.linear3 (q, k, v of one x, concatenated) or ops.silu_gate over weights as buffers."""
+
+    def __init__(self, form, weights):
+        super().__init__()
+        self.form, self.parts = form, [_Linear(w) for w in weights]
+        for i, part in enumerate(self.parts):
+            self.add_module(f"w{i}", part)
+
+    def weight(self, part):
+        if part.type_name == "F16":
+            return part.w
+        return QuantizedTensor(part.type_name, part.shape, {n: getattr(part, n) for n in part.names})
+
+    def forward(self, x):
+        w = [self.weight(p) for p in self.parts]
+        return torch.cat(ops.linear3(x, *w), dim=-1) if self.form == "qkv" else ops.silu_gate(x, *w)
+
+
+@pytest.mark.parametrize("form", ["qkv", "swiglu"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_fused_products_equal_gguf_dequantization(kind, form, tmp_path):
+    """One dispatch for q, k, v of 80, 40 and 24 outputs (workgroups of 32 span two matrices), or
+    for silu(x gate^T) * (x up^T)."""
+    rng = np.random.default_rng(7)
+    k, sizes = 96, ([80, 40, 24] if form == "qkv" else [80, 80])
+    raws = [quantize_array(rng.standard_normal((n, k)).astype(np.float32), kind) for n in sizes]
+    weights = [torch.from_numpy(r) if kind == "F16" else weight_from_raw(kind, (n, k), r) for n, r in zip(sizes, raws)]
+    dense = [r.astype(np.float64) if kind == "F16" else quants.dequantize(r, GGMLQuantizationType[kind]).astype(np.float64)
+             for r in raws]
+    x = torch.from_numpy(rng.standard_normal((2, k)).astype(np.float32))
+    got = _compile_and_run(_Fused(form, weights), x, tmp_path)
+    x_seen = x.numpy() if kind == "F16" else quants.dequantize(quants.quantize(x.numpy(), GGMLQuantizationType.Q8_0),
+                                                                 GGMLQuantizationType.Q8_0)
+    ys = [x_seen.astype(np.float64) @ d.T for d in dense]
+    want = np.concatenate(ys, axis=1) if form == "qkv" else ys[0] / (1 + np.exp(-ys[0])) * ys[1]
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, cache, layer, scale):
+        super().__init__()
+        self.cache, self.layer, self.scale = cache, layer, scale
+
+    def forward(self, q, cache_state, pages, lens):
+        return kernels.decode_attention(q, cache_state, self.cache, self.layer, pages, lens, self.scale)
+
+
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_decode_attention_equals_torch_sdpa(head_dim, tmp_path):
+    """The attention kernel reading pages in place (layer 1 of 2, 16 positions a page, 6 query
+    heads on 2 kv heads, sequences of 37 and 70 positions on shuffled pages) equals torch's
+    scaled_dot_product_attention over K/V gathered position by position. head_dim 40: the
+    kernel's 32-value chunks and its 8-value tail."""
+    import iree.runtime as rt
+    from iree.turbine import aot
+
+    from sharkport.compile import compile_mlir
+    from sharkport.layers import PagedCache
+
+    cache = PagedCache(block_count=2, kv_heads=2, head_dim=head_dim, stride=16)
+    B, H, blocks, lens = 2, 6, 5, [37, 70]
+    rng = np.random.default_rng(head_dim)
+    state = torch.from_numpy(rng.standard_normal((12, cache.page_elems)).astype(np.float32))
+    pages = torch.from_numpy(rng.permutation(12)[:B * blocks].reshape(B, blocks).astype(np.int64))
+    q = torch.from_numpy(rng.standard_normal((B, 1, H, head_dim)).astype(np.float32))
+    seq_lens = torch.tensor(lens, dtype=torch.int64)
+    scale = 0.7 / head_dim ** 0.5
+
+    with kernels.enabled():
+        exported = aot.export(_Attention(cache, 1, scale), args=(q, state, pages, seq_lens), strict_export=False)
+    mlir, vmfb = tmp_path / "m.mlir", tmp_path / "m.vmfb"
+    exported.save_mlir(mlir)
+    assert "sharkport_decode_attention" in mlir.read_text()
+    compile_mlir(mlir, vmfb)
+    config = rt.Config("local-task")
+    ctx = rt.SystemContext(config=config)
+    ctx.add_vm_module(rt.VmModule.mmap(config.vm_instance, str(vmfb)))
+    args = [rt.asdevicearray(config.device, t.numpy()) for t in (q, state, pages, seq_lens)]
+    got = np.array(ctx.modules.module["main"](*args).to_host(), copy=True)
+
+    pages_of = state.view(12, 2, 2, 16, 2, head_dim)  # [page, layer, K|V, slot, kv head, D]
+    for b in range(B):
+        kv = torch.stack([pages_of[pages[b, t // 16], 1, :, t % 16] for t in range(lens[b])], dim=1)  # [2, T, Hkv, D]
+        k, v = (kv[i].transpose(0, 1).repeat_interleave(H // 2, dim=0) for i in (0, 1))  # [H, T, D]
+        want = torch.nn.functional.scaled_dot_product_attention(q[b, 0][:, None], k, v, scale=scale)[:, 0]
+        np.testing.assert_allclose(got[b, 0], want.numpy(), rtol=0, atol=2e-6 * want.abs().max().item())
+
+
 def test_many_rows_keep_the_traced_product():
     """Beyond MAX_ROWS rows (prefill) and outside `enabled()` no kernel is used."""
     w = torch.zeros(32, 64, dtype=torch.float16)
@@ -124,7 +213,8 @@ def _q8_0_inputs(model: torch.nn.Module) -> list:
 @pytest.mark.parametrize("type_name", ["q8_0", "q4_1", "f16"])
 def test_tiny_llama_decodes_through_the_kernels_as_transformers(quantized_tiny, type_name, tmp_path):
     """Prefill 5 tokens, then teacher-forced decode at batch 4 (every row the same sequence, on
-    its own pages; products and attention through the kernels, the 4 query heads on one kv head,
+    its own pages; products (q, k, v in one dispatch, gate and up with SiLU in one) and attention
+    through the kernels, the 4 query heads on one kv head,
     positions over two pages): each step's logits equal transformers' over the same quantized GGUF, with its
     prefill in float32 and, for quantized weights, its decode steps multiplying x quantized to
     Q8_0 by gguf.quants (the kernels' 8-bit products; prefill keeps the float32 product)."""
@@ -144,7 +234,9 @@ def test_tiny_llama_decodes_through_the_kernels_as_transformers(quantized_tiny, 
     output, service = export_model(Dataset.load(irpa), config, ModelConfig(block_seq_stride=config.block_seq_stride))
     save_export(output, service, tmp_path / "m.mlir", tmp_path / "m.json")
     assert kernels.referenced_by(tmp_path / "m.mlir")
-    assert "sharkport_decode_attention" in (tmp_path / "m.mlir").read_text(), "decode attention took the traced form"
+    mlir = (tmp_path / "m.mlir").read_text()
+    for kernel in ("sharkport_decode_attention", f"sharkport_matvec_qkv_{type_name}", f"sharkport_matvec_swiglu_{type_name}"):
+        assert kernel in mlir, f"{kernel} is not called: decode took the traced form"
     compile_mlir(tmp_path / "m.mlir", tmp_path / "m.vmfb")
     session = IreeSession(tmp_path / "m.vmfb", irpa, tmp_path / "m.json", pages=config.device_block_count)
 

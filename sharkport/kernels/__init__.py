@@ -73,21 +73,46 @@ def kernel_type(w) -> str | None:
     return "F16" if w.dtype == torch.float16 and w.dim() == 2 and w.shape[1] % 8 == 0 else None
 
 
-def matvec(x, w):
-    """x [M, K] float32 @ w[N, K].T → [M, N] through a kernel, or None where none applies: outside
-    `enabled()`, for a dynamic or large M, other dtypes and weight types."""
+def _product(form: str, x, weights):
+    """x [M, K] float32 times `weights` through the kernel of `form` (see kernels.ops.FORMS), or
+    None where none applies: outside `enabled()`, for a dynamic or large M, other dtypes and weight
+    types, matrices of different types."""
     import torch
 
     rows = x.shape[0]
-    if not (_enabled and isinstance(rows, int) and rows <= MAX_ROWS and x.dtype == torch.float32):
+    if not (_enabled and isinstance(rows, int) and rows <= MAX_ROWS and x.dtype == torch.float32
+            and x.shape[1] <= MAX_K):
         return None
-    kind = kernel_type(w)
-    if kind is None or x.shape[1] > MAX_K:
+    kinds = {kernel_type(w) for w in weights}
+    if len(kinds) != 1 or None in kinds:
         return None
-    planes = [w] if kind == "F16" else [w.planes[p] for p in PLANES[kind]]
+    kind = kinds.pop()
+    planes = [p for w in weights for p in ([w] if kind == "F16" else [w.planes[n] for n in PLANES[kind]])]
     from .ops import OPS
 
-    return OPS[kind](x, *planes)
+    return OPS[kind, form](x, *planes)
+
+
+def matvec(x, w):
+    """x [M, K] float32 @ w[N, K].T → [M, N] through a kernel, or None where none applies."""
+    return _product("matvec", x, [w])
+
+
+def matvec_qkv(x, wq, wk, wv):
+    """(x @ wq.T, x @ wk.T, x @ wv.T) by one kernel dispatch, or None. The dispatch writes the
+    three products one after the other, so each is a contiguous slice of its result (a strided
+    one would be copied before its use: 3 copies per layer at batch 4)."""
+    y = _product("qkv", x, [wq, wk, wv])
+    if y is None:
+        return None
+    flat, rows = y.flatten(), x.shape[0]
+    sizes = [rows * w.shape[0] for w in (wq, wk, wv)]
+    return tuple(part.view(rows, -1) for part in flat.split(sizes))
+
+
+def swiglu(x, gate, up):
+    """silu(x @ gate.T) * (x @ up.T) → [M, N] by one kernel dispatch, or None."""
+    return _product("swiglu", x, [gate, up])
 
 
 def decode_attention(q, cache_state, cache, layer, page_ids, seq_lens, scale: float, window: int = 0,
@@ -178,7 +203,7 @@ def referenced_by(mlir_path: str | os.PathLike) -> bool:
     import mmap
 
     with open(mlir_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        return m.find(b"sharkport_matvec_") >= 0
+        return any(m.find(symbol) >= 0 for symbol in (b"sharkport_matvec_", b"sharkport_decode_attention"))
 
 
 def compile_flags_for(mlir_path: str | os.PathLike) -> list[str]:

@@ -197,41 +197,6 @@ INLINE void q_row(workspace *ws, int kind, const void *qn, const uint16_t *d, co
 // Outputs [n0, n1) of workgroup wg, `rows` per workgroup.
 #define ROW_RANGE size_t n0 = wg * rows, n1 = n0 + rows < N ? n0 + rows : N;
 
-INLINE void matvec_q(int kind, const float *x, const void *qs, const uint16_t *d, const uint16_t *m, float *y,
-                     size_t M, size_t N, size_t K, size_t rows, size_t wg) {
-  ROW_RANGE
-  size_t B = K / 32, row_bytes = kind == Q8_0 ? K : K / 2;
-  if (B > MAX_BLOCKS) return;  // never traced: kernels.matvec routes only rows this short
-  workspace ws;
-  for (size_t m0 = 0, mc; m0 < M; m0 += mc) {
-    mc = chunk_rows(M, m0, K);
-    quantize_x(x + m0 * K, mc, K, ws.q, ws.xd, ws.xs);
-    for (size_t n = n0; n < n1; ++n) {
-      float out[MAX_M];
-#define ROW(MC) q_row(&ws, kind, (const uint8_t *)qs + n * row_bytes, d + n * B, m ? m + n * B : 0, MC, K, out)
-      FOR_CONSTANT_MC(mc, ROW)
-#undef ROW
-      for (size_t i = 0; i < mc; ++i) y[(m0 + i) * N + n] = out[i];
-    }
-  }
-}
-
-void sharkport_matvec_q8_0(MEMREF(const float, x), MEMREF(const int8_t, qs), MEMREF(const uint16_t, d),
-                           MEMREF(float, y), size_t M, size_t N, size_t K, size_t rows, size_t wg) {
-  matvec_q(Q8_0, BASE(x), BASE(qs), BASE(d), 0, BASE(y), M, N, K, rows, wg);
-}
-
-void sharkport_matvec_q4_0(MEMREF(const float, x), MEMREF(const uint8_t, qs), MEMREF(const uint16_t, d),
-                           MEMREF(float, y), size_t M, size_t N, size_t K, size_t rows, size_t wg) {
-  matvec_q(Q4_0, BASE(x), BASE(qs), BASE(d), 0, BASE(y), M, N, K, rows, wg);
-}
-
-void sharkport_matvec_q4_1(MEMREF(const float, x), MEMREF(const uint8_t, qs), MEMREF(const uint16_t, d),
-                           MEMREF(const uint16_t, mins), MEMREF(float, y), size_t M, size_t N, size_t K,
-                           size_t rows, size_t wg) {
-  matvec_q(Q4_1, BASE(x), BASE(qs), BASE(d), BASE(mins), BASE(y), M, N, K, rows, wg);
-}
-
 // float16 weights [N, K], K a multiple of 8, times float32 x (not quantized).
 INLINE void f16_row(const float *x, const uint16_t *wn, size_t MC, size_t K, float *out) {
   __m256 acc[MC][4];
@@ -256,29 +221,6 @@ INLINE void f16_row(const float *x, const uint16_t *wn, size_t MC, size_t K, flo
   }
 }
 
-void sharkport_matvec_f16(MEMREF(const float, x), MEMREF(const uint16_t, w), MEMREF(float, y),
-                          size_t M, size_t N, size_t K, size_t rows, size_t wg) {
-  ROW_RANGE
-  for (size_t m0 = 0, mc; m0 < M; m0 += mc) {
-    mc = M - m0 < MAX_M ? M - m0 : MAX_M;
-    for (size_t n = n0; n < n1; ++n) {
-      float out[MAX_M] = {0};
-#define ROW(MC) f16_row(BASE(x) + m0 * K, BASE(w) + n * K, MC, K, out)
-      FOR_CONSTANT_MC(mc, ROW)
-#undef ROW
-      for (size_t i = 0; i < mc; ++i) BASE(y)[(m0 + i) * N + n] = out[i];
-    }
-  }
-}
-
-// ---- Decode attention over the paged KV cache ----
-//
-// One query position per sequence attends to the positions [0, len) of its pages. The cache is
-// sharkport.layers.PagedCache's flat float32 [pages, L, 2 (K, V), stride, Hkv, D]. Each
-// workgroup takes one (sequence, kv head) and its G query heads, so that K and V are read once;
-// it walks the sequence a page at a time with a running softmax (scores of a page, their max,
-// the earlier sums rescaled), in float32 throughout.
-
 // exp(x) for x <= 0 (scores minus their running max): 2^n exp(r), n = round(x / ln 2),
 // r = x - n ln 2 in two parts, exp(r) by its Taylor polynomial of degree 7 (|r| <= 0.35:
 // relative error below 2e-8 before float32 rounding). x below -87 gives exp(-87), about 1.6e-38.
@@ -302,6 +244,109 @@ INLINE __m256 exp_nonpositive(__m256 x) {
 
 INLINE float exp_scalar(float x) { return _mm256_cvtss_f32(exp_nonpositive(_mm256_set1_ps(x))); }
 
+// One weight matrix of a product: its planes (F16: the values in qs) and its number of rows.
+typedef struct {
+  const void *qs;
+  const uint16_t *d, *m;
+  size_t n;
+} matrix;
+
+enum { F16 = Q4_1 + 1 };
+enum { CONCAT, SWIGLU };  // y = [x w0^T, x w1^T, ...], or y = silu(x w0^T) * (x w1^T)
+
+INLINE float silu(float g) {  // g * sigmoid(g), with exp only of non-positive values
+  float e = exp_scalar(g < 0 ? g : -g);
+  return g * (g < 0 ? e / (1.0f + e) : 1.0f / (1.0f + e));
+}
+
+// Row n of matrix w times rows [m0, m0 + mc) of x (quantized in ws unless F16) into out[0, mc).
+INLINE void one_row(int kind, workspace *ws, const float *x, const matrix *w, size_t n, size_t mc, size_t K,
+                    float *out) {
+  size_t B = K / 32;
+  if (kind == F16) {
+#define ROW(MC) f16_row(x, (const uint16_t *)w->qs + n * K, MC, K, out)
+    FOR_CONSTANT_MC(mc, ROW)
+#undef ROW
+    return;
+  }
+  const uint8_t *qn = (const uint8_t *)w->qs + n * (kind == Q8_0 ? K : K / 2);
+#define ROW(MC) q_row(ws, kind, qn, w->d + n * B, w->m ? w->m + n * B : 0, MC, K, out)
+  FOR_CONSTANT_MC(mc, ROW)
+#undef ROW
+}
+
+// Outputs [n0, n1) of workgroup wg (`rows` per workgroup) of the product of x [M, K] with the
+// `count` matrices w. CONCAT: N outputs, the rows of the matrices one after the other, and y the
+// products [M, w[j].n] one after the other (so that each is a contiguous tensor); SWIGLU:
+// N = w[0].n and y [M, N].
+INLINE void matvec(int kind, int op, const float *x, const matrix *w, size_t count, float *y, size_t M, size_t N,
+                   size_t K, size_t rows, size_t wg) {
+  ROW_RANGE
+  if (K / 32 > MAX_BLOCKS) return;  // never traced: kernels routes only rows this short
+  workspace ws;
+  for (size_t m0 = 0, mc; m0 < M; m0 += mc) {
+    mc = kind == F16 ? (M - m0 < MAX_M ? M - m0 : MAX_M) : chunk_rows(M, m0, K);
+    if (kind != F16) quantize_x(x + m0 * K, mc, K, ws.q, ws.xd, ws.xs);
+    size_t j = 0, first = 0;  // the matrix holding output n, and its first output
+    for (size_t n = n0; n < n1; ++n) {
+      float out[MAX_M] = {0};
+      if (op == SWIGLU) {
+        float up[MAX_M] = {0};
+        one_row(kind, &ws, x + m0 * K, &w[0], n, mc, K, out);
+        one_row(kind, &ws, x + m0 * K, &w[1], n, mc, K, up);
+        for (size_t i = 0; i < mc; ++i) out[i] = silu(out[i]) * up[i];
+      } else {
+        while (j + 1 < count && n >= first + w[j].n) first += w[j++].n;
+        one_row(kind, &ws, x + m0 * K, &w[j], n - first, mc, K, out);
+        for (size_t i = 0; i < mc; ++i) y[first * M + (m0 + i) * w[j].n + n - first] = out[i];
+        continue;
+      }
+      for (size_t i = 0; i < mc; ++i) y[(m0 + i) * N + n] = out[i];
+    }
+  }
+}
+
+// The C functions: one matrix (sharkport_matvec_<type>), three concatenated (..._qkv_<type>),
+// and gate/up with SiLU (..._swiglu_<type>), each with its planes in kernels.PLANES order.
+#define ARGS_Q8_0(p) MEMREF(const int8_t, p##qs), MEMREF(const uint16_t, p##d)
+#define ARGS_Q4_0(p) MEMREF(const uint8_t, p##qs), MEMREF(const uint16_t, p##d)
+#define ARGS_Q4_1(p) MEMREF(const uint8_t, p##qs), MEMREF(const uint16_t, p##d), MEMREF(const uint16_t, p##m)
+#define ARGS_F16(p) MEMREF(const uint16_t, p##qs)
+#define MAT_Q8_0(p, rows) {BASE(p##qs), BASE(p##d), 0, rows}
+#define MAT_Q4_0(p, rows) {BASE(p##qs), BASE(p##d), 0, rows}
+#define MAT_Q4_1(p, rows) {BASE(p##qs), BASE(p##d), BASE(p##m), rows}
+#define MAT_F16(p, rows) {BASE(p##qs), 0, 0, rows}
+#define DEFINE_KERNELS(T, lower)                                                                         \
+  void sharkport_matvec_##lower(MEMREF(const float, x), ARGS_##T(a), MEMREF(float, y), size_t M, size_t N, \
+                                size_t K, size_t rows, size_t wg) {                                      \
+    matrix w[1] = {MAT_##T(a, N)};                                                                       \
+    matvec(T, CONCAT, BASE(x), w, 1, BASE(y), M, N, K, rows, wg);                                        \
+  }                                                                                                      \
+  void sharkport_matvec_qkv_##lower(MEMREF(const float, x), ARGS_##T(a), ARGS_##T(b), ARGS_##T(c),       \
+                                    MEMREF(float, y), size_t M, size_t N0, size_t N1, size_t N2, size_t K, \
+                                    size_t rows, size_t wg) {                                            \
+    matrix w[3] = {MAT_##T(a, N0), MAT_##T(b, N1), MAT_##T(c, N2)};                                      \
+    matvec(T, CONCAT, BASE(x), w, 3, BASE(y), M, N0 + N1 + N2, K, rows, wg);                             \
+  }                                                                                                      \
+  void sharkport_matvec_swiglu_##lower(MEMREF(const float, x), ARGS_##T(a), ARGS_##T(b), MEMREF(float, y), \
+                                       size_t M, size_t N, size_t K, size_t rows, size_t wg) {           \
+    matrix w[2] = {MAT_##T(a, N), MAT_##T(b, N)};                                                        \
+    matvec(T, SWIGLU, BASE(x), w, 2, BASE(y), M, N, K, rows, wg);                                        \
+  }
+
+DEFINE_KERNELS(Q8_0, q8_0)
+DEFINE_KERNELS(Q4_0, q4_0)
+DEFINE_KERNELS(Q4_1, q4_1)
+DEFINE_KERNELS(F16, f16)
+
+// ---- Decode attention over the paged KV cache ----
+//
+// One query position per sequence attends to the positions [0, len) of its pages. The cache is
+// sharkport.layers.PagedCache's flat float32 [pages, L, 2 (K, V), stride, Hkv, D]. Each
+// workgroup takes one (sequence, kv head) and its G query heads, so that K and V are read once;
+// it walks the sequence a page at a time with a running softmax (scores of a page, their max,
+// the earlier sums rescaled), in float32 throughout.
+
 // MAX_GD (query heads per kv head times head_dim) and MAX_STRIDE come from CFLAGS.
 void sharkport_decode_attention(MEMREF(const float, q), MEMREF(const float, cache), MEMREF(const int64_t, pages),
                                 MEMREF(const int64_t, lens), MEMREF(const int64_t, layer), MEMREF(float, out),
@@ -322,20 +367,33 @@ void sharkport_decode_attention(MEMREF(const float, q), MEMREF(const float, cach
     const float *v = k + kv_elems;
     for (size_t h = 0; h < G; ++h) {
       const float *qh = qb + h * D;
-      float page_max = -__builtin_inff();
-      for (size_t j = 0; j < n; ++j) {
-        __m256 s = _mm256_setzero_ps();
-        for (size_t d = 0; d < D; d += 8)
-          s = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(k + j * slot_elems + d), s);
-        p[j] = hsum(s) * scale;
-        page_max = p[j] > page_max ? p[j] : page_max;
+      // scores of the page's positions, four at a time (independent multiply-add chains)
+      size_t j = 0;
+      for (; j + 4 <= n; j += 4) {
+        __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+        const float *kj = k + j * slot_elems;
+        for (size_t d = 0; d < D; d += 8) {
+          __m256 qd = _mm256_loadu_ps(qh + d);
+          s0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + d), s0);
+          s1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + slot_elems + d), s1);
+          s2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + 2 * slot_elems + d), s2);
+          s3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + 3 * slot_elems + d), s3);
+        }
+        p[j] = hsum(s0) * scale, p[j + 1] = hsum(s1) * scale, p[j + 2] = hsum(s2) * scale, p[j + 3] = hsum(s3) * scale;
       }
+      for (; j < n; ++j) {
+        __m256 s0 = _mm256_setzero_ps();
+        for (size_t d = 0; d < D; d += 8)
+          s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(k + j * slot_elems + d), s0);
+        p[j] = hsum(s0) * scale;
+      }
+      float page_max = p[0];
+      for (j = 1; j < n; ++j) page_max = p[j] > page_max ? p[j] : page_max;
       float m = page_max > run_max[h] ? page_max : run_max[h];
       float rescale = exp_scalar(run_max[h] - m);  // 0 on the first page (exp(-inf) clamps to ~0)
       run_max[h] = m;
       __m256 mv = _mm256_set1_ps(m), total = _mm256_setzero_ps();
-      size_t j = 0;
-      for (; j + 8 <= n; j += 8) {
+      for (j = 0; j + 8 <= n; j += 8) {
         __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + j), mv));
         _mm256_storeu_ps(p + j, e);
         total = _mm256_add_ps(total, e);
@@ -343,11 +401,27 @@ void sharkport_decode_attention(MEMREF(const float, q), MEMREF(const float, cach
       float sum = hsum(total);
       for (; j < n; ++j) sum += p[j] = exp_scalar(p[j] - m);
       run_sum[h] = run_sum[h] * rescale + sum;
+      // acc = acc * rescale + sum of p[j] v[j], 32 values of d at a time in registers
       float *ah = acc + h * D;
-      for (size_t d = 0; d < D; d += 8) {
-        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(ah + d), _mm256_set1_ps(rescale));
-        for (size_t jj = 0; jj < n; ++jj)
-          a = _mm256_fmadd_ps(_mm256_set1_ps(p[jj]), _mm256_loadu_ps(v + jj * slot_elems + d), a);
+      __m256 r = _mm256_set1_ps(rescale);
+      size_t d = 0;
+      for (; d + 32 <= D; d += 32) {
+        __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(ah + d), r), a1 = _mm256_mul_ps(_mm256_loadu_ps(ah + d + 8), r),
+               a2 = _mm256_mul_ps(_mm256_loadu_ps(ah + d + 16), r), a3 = _mm256_mul_ps(_mm256_loadu_ps(ah + d + 24), r);
+        for (j = 0; j < n; ++j) {
+          __m256 pj = _mm256_set1_ps(p[j]);
+          const float *vj = v + j * slot_elems + d;
+          a0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj), a0);
+          a1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8), a1);
+          a2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 16), a2);
+          a3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 24), a3);
+        }
+        _mm256_storeu_ps(ah + d, a0), _mm256_storeu_ps(ah + d + 8, a1);
+        _mm256_storeu_ps(ah + d + 16, a2), _mm256_storeu_ps(ah + d + 24, a3);
+      }
+      for (; d < D; d += 8) {
+        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(ah + d), r);
+        for (j = 0; j < n; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + j * slot_elems + d), a);
         _mm256_storeu_ps(ah + d, a);
       }
     }

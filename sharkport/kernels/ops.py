@@ -18,11 +18,25 @@ from . import MAX_ROWS_PER_WORKGROUP, PLANES, ROW_QUANTUM, SIZES, WORKGROUPS, ob
 _LIBRARY = def_library("sharkport_kernels")
 
 
-def _eager(kind: str, x: torch.Tensor, *planes: torch.Tensor) -> torch.Tensor:
+# Products one kernel dispatch computes: one matrix; three concatenated (attention's q, k, v of
+# one x); two combined as silu(x g^T) * (x u^T) (a SwiGLU's gate and up). form -> matrices.
+FORMS = {"matvec": 1, "qkv": 3, "swiglu": 2}
+
+
+def _dequantized(kind: str, planes, k: int) -> torch.Tensor:
     if kind == "F16":
-        return torch.mm(x, planes[0].to(torch.float32).t())
-    w = QuantizedTensor(kind, (planes[0].shape[0], x.shape[1]), dict(zip(PLANES[kind], planes))).dequant()
-    return torch.mm(quantized_x(x), w.to(torch.float32).t())
+        return planes[0].to(torch.float32)
+    return QuantizedTensor(kind, (planes[0].shape[0], k), dict(zip(PLANES[kind], planes))).dequant().to(torch.float32)
+
+
+def _eager(kind: str, form: str, x: torch.Tensor, *planes: torch.Tensor) -> torch.Tensor:
+    """The kernel's result in torch: x (Q8_0-quantized for quantized weights) times each matrix."""
+    x = x if kind == "F16" else quantized_x(x)
+    per = len(PLANES[kind])
+    ys = [torch.mm(x, _dequantized(kind, planes[i:i + per], x.shape[1]).t()) for i in range(0, len(planes), per)]
+    if form == "swiglu":
+        return torch.nn.functional.silu(ys[0]) * ys[1]
+    return torch.cat([y.flatten() for y in ys]).view(x.shape[0], -1)  # [M, N0] [M, N1] ... in a row
 
 
 def _tensor_type(rank: int, element: str) -> str:
@@ -35,33 +49,42 @@ def _memref(element: str) -> str:
     return f"memref<?x{'i8' if element == 'ui8' else element}, strided<[1], offset: ?>>"
 
 
-def _c_name(kind: str) -> str:
-    return f"sharkport_matvec_{kind.lower()}"
+def _c_name(kind: str, form: str) -> str:
+    return f"sharkport_matvec_{'' if form == 'matvec' else form + '_'}{kind.lower()}"
 
 
-def _function_name(kind: str) -> str:
-    return f"{_c_name(kind)}_dispatch"
+def _function_name(kind: str, form: str) -> str:
+    return f"{_c_name(kind, form)}_dispatch"
 
 
-def _module(kind: str, arg_types: list[tuple[int, str]]) -> str:
-    """MLIR module text of the kernel for `kind`: util.func `_function_name(kind)` taking x and the
-    planes (all dims dynamic), which dispatches the C function over ceil(N / rows) workgroups of
-    `rows` outputs each (see kernels.ROW_QUANTUM)."""
-    c_name, name = _c_name(kind), _function_name(kind)
+def _module(kind: str, form: str, arg_types: list[tuple[int, str]]) -> str:
+    """MLIR module text of the kernel for `kind` and `form`: util.func `_function_name` taking x
+    and the matrices' planes (all dims dynamic), which dispatches the C function over
+    ceil(N / rows) workgroups of `rows` outputs each (see kernels.ROW_QUANTUM)."""
+    c_name, name = _c_name(kind, form), _function_name(kind, form)
+    count, per = FORMS[form], len(PLANES[kind])
     types = [_tensor_type(r, e) for r, e in arg_types]
     elements = [e for _, e in arg_types] + ["f32"]
     n_args = len(arg_types) + 1
+    # the C function's sizes: M, each matrix's rows (swiglu: one N, the gate's), K
+    ns = [f"%n{i}" for i in range(1 if form == "swiglu" else count)]
     bindings = ", ".join(f"%b{i}: !stream.binding" for i in range(n_args))
     subspans = "\n".join(
         f"        %s{i} = stream.binding.subspan %b{i}[%c0] : !stream.binding -> {_memref(e)}{{%size{i}}}"
         for i, e in enumerate(elements))
-    sizes = "\n".join(_size(i, spec) for i, spec in enumerate(SIZES[kind]))
+    x_spec, *plane_specs, y_spec = SIZES[kind]
+    specs = [(x_spec, None)] + [(spec, f"%n{i if form != 'swiglu' else 0}") for i in range(count)
+                                for spec in plane_specs] + [(y_spec, "%ntotal")]
+    sizes = "\n".join(_size(i, spec, n) for i, (spec, n) in enumerate(specs))
     memrefs = ", ".join(_memref(e) for e in elements)
     args = ", ".join(f"%a{i}" for i in range(len(arg_types)))
     dims = ["{" + ", ".join(f"%a{i}d{j}" for j in range(rank)) + "}" for i, (rank, _) in enumerate(arg_types)]
     dim_ops = "\n".join(f"    %a{i}d{j} = tensor.dim %a{i}, %c{j} : {types[i]}"
                         for i, (rank, _) in enumerate(arg_types) for j in range(rank))
     operand_types = ", ".join(f"{t}{d}" for t, d in zip(types, dims))
+    n_values = "\n".join(f"    %n{i} = tensor.dim %a{1 + i * per}, %c0 : {types[1 + i * per]}" for i in range(len(ns)))
+    sums = _total_rows(len(ns), "    ", "%total")
+    entry_ns = ", ".join(f"{n}: index" for n in ns)
     return f"""
 module {{
   stream.executable private @{c_name}_executable attributes {{
@@ -77,13 +100,14 @@ module {{
       stream.return %x, %c1, %c1 : index, index, index
     }}
     builtin.module {{
-      func.func private @{c_name}({memrefs}, index, index, index, index, index) attributes {{hal.import.static}}
-      func.func @{c_name}_entry({bindings}, %m: index, %n: index, %k: index, %rows: index) {{
+      func.func private @{c_name}({memrefs}, index, {"index, " * len(ns)}index, index, index) attributes {{hal.import.static}}
+      func.func @{c_name}_entry({bindings}, %m: index, {entry_ns}, %k: index, %rows: index) {{
         %c0 = arith.constant 0 : index
         %wg = hal.interface.workgroup.id[0] : index
+{_total_rows(len(ns), "        ", "%ntotal")}
 {sizes}
 {subspans}
-        func.call @{c_name}({", ".join(f"%s{i}" for i in range(n_args))}, %m, %n, %k, %rows, %wg) : ({memrefs}, index, index, index, index, index) -> ()
+        func.call @{c_name}({", ".join(f"%s{i}" for i in range(n_args))}, %m, {", ".join(ns)}, %k, %rows, %wg) : ({memrefs}, index, {"index, " * len(ns)}index, index, index) -> ()
         return
       }}
     }}
@@ -93,49 +117,62 @@ module {{
     %c1 = arith.constant 1 : index
     %c2 = arith.constant 2 : index
 {dim_ops}
-    %rows = affine.min affine_map<()[s0] -> ((s0 ceildiv {ROW_QUANTUM * WORKGROUPS}) * {ROW_QUANTUM}, {MAX_ROWS_PER_WORKGROUP})>()[%a1d0]
-    %y = flow.dispatch @{c_name}_executable::@{c_name}_entry[%a1d0, %rows]({args}, %a0d0, %a1d0, %a0d1, %rows) : ({operand_types}, index, index, index, index) -> tensor<?x?xf32>{{%a0d0, %a1d0}}
+{n_values}
+{sums}
+    %rows = affine.min affine_map<()[s0] -> ((s0 ceildiv {ROW_QUANTUM * WORKGROUPS}) * {ROW_QUANTUM}, {MAX_ROWS_PER_WORKGROUP})>()[%total]
+    %y = flow.dispatch @{c_name}_executable::@{c_name}_entry[%total, %rows]({args}, %a0d0, {", ".join(ns)}, %a0d1, %rows) : ({operand_types}, index, {"index, " * len(ns)}index, index) -> tensor<?x?xf32>{{%a0d0, %total}}
     util.return %y : tensor<?x?xf32>
   }}
 }}"""
 
 
-def _size(i: int, spec) -> str:
-    """MLIR computing binding i's element count %size{i} from %m, %n and %k (see SIZES)."""
+def _total_rows(count: int, indent: str, result: str) -> str:
+    """MLIR computing `result`, the outputs of a product whose matrices have %n0.. rows: %n0, or
+    for q, k, v their sum."""
+    if count == 1:
+        return f"{indent}{result} = arith.addi %n0, %c0 : index"
+    return (f"{indent}{result}_01 = arith.addi %n0, %n1 : index\n"
+            f"{indent}{result} = arith.addi {result}_01, %n2 : index")
+
+
+def _size(i: int, spec, n: str | None) -> str:
+    """MLIR computing binding i's element count %size{i} from %m, the row count `n` and %k (see
+    SIZES: "mk" is M*K, ("nk", 2) N*K/2, "mn" M*N)."""
     (a, b), divisor = (spec, 1) if isinstance(spec, str) else spec
+    value = {"m": "%m", "k": "%k", "n": n}
     return (f"        %d{i} = arith.constant {divisor} : index\n"
-            f"        %p{i} = arith.muli %{a}, %{b} : index\n"
+            f"        %p{i} = arith.muli {value[a]}, {value[b]} : index\n"
             f"        %size{i} = arith.divui %p{i}, %d{i} : index")
 
 
-def _register(kind: str):
-    planes = PLANES[kind]
+def _register(kind: str, form: str):
+    planes = [f"{p}{i}" for i in range(FORMS[form]) for p in PLANES[kind]]
+    per = len(PLANES[kind])
 
     class Op(CustomOp):
-        signature = f"matvec_{kind.lower()}(Tensor x, {', '.join(f'Tensor {p}' for p in planes)}) -> (Tensor)"
+        signature = f"{_c_name(kind, form)[len('sharkport_'):]}(Tensor x, {', '.join(f'Tensor {p}' for p in planes)}) -> (Tensor)"
 
         def select(self, ksel: KernelSelection):
             x = ksel.arg_tensor(0)
-            first = ksel.arg_tensor(1)
-            for i in range(2, len(planes) + 1):
-                ksel.arg_tensor(i)
-            ksel.return_new_tensor([x.t.shape[0], first.t.shape[0]], torch.float32)
+            rows = [ksel.arg_tensor(1 + i).t.shape[0] for i in range(len(planes))]
+            n = rows[0] if form == "swiglu" else sum(rows[i] for i in range(0, len(planes), per))
+            ksel.return_new_tensor([x.t.shape[0], n], torch.float32)
 
         def eager_execute(self, x, *planes_):
-            return _eager(kind, x, *planes_)
+            return _eager(kind, form, x, *planes_)
 
         def generate(self, ksel: KernelSelection, kb: KernelBuilder):
             from iree.turbine.support.ir_imports import RankedTensorType
 
             types = [RankedTensorType(value.type) for value in kb.arg_bindings]
             arg_types = [(t.rank, str(t.element_type)) for t in types]
-            call_mlir_function(kb, _function_name(kind), lambda: _module(kind, arg_types))
+            call_mlir_function(kb, _function_name(kind, form), lambda: _module(kind, form, arg_types))
 
-    Op.__name__ = f"matvec_{kind.lower()}"
+    Op.__name__ = _c_name(kind, form)
     return CustomOp.register(library=_LIBRARY)(Op)
 
 
-OPS = {kind: _register(kind) for kind in PLANES}
+OPS = {(kind, form): _register(kind, form) for kind in PLANES for form in FORMS}
 
 
 # ---- decode attention over the paged cache (matvec.c's sharkport_decode_attention) ----

@@ -10,7 +10,7 @@ import torch
 
 from .. import kernels
 from ..archive.tensors import Theta
-from ..ops import apply_rope, attention, causal_mask, length_mask, linear, rms_norm
+from ..ops import apply_rope, attention, causal_mask, length_mask, linear, linear3, rms_norm
 from .paged_cache import PagedCache
 
 
@@ -40,9 +40,10 @@ class PagedAttention(torch.nn.Module):
         if "attn_qkv.weight" in t:  # GPT-2: one [q; k; v] projection
             qkv = linear(x, t["attn_qkv.weight"], t.get("attn_qkv.bias"))
             return qkv.split([c.heads * c.head_dim, c.kv_heads * c.head_dim, c.kv_heads * c.head_dim], -1)
-        return (linear(x, t["attn_q.weight"], t.get("attn_q.bias")),
-                linear(x, t["attn_k.weight"], t.get("attn_k.bias")),
-                linear(x, t["attn_v.weight"], t.get("attn_v.bias")))
+        biases = [t.get(f"attn_{p}.bias") for p in "qkv"]
+        if not any(b is not None for b in biases):
+            return linear3(x, t["attn_q.weight"], t["attn_k.weight"], t["attn_v.weight"])
+        return tuple(linear(x, t[f"attn_{p}.weight"], b) for p, b in zip("qkv", biases))
 
     def _qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None):
         t, c = self.theta, self.config

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ..archive.tensors import Theta
-from ..ops import expert, gelu_tanh, linear
+from ..ops import expert, gelu_tanh, linear, silu_gate
 
 
 class SwiGLU(torch.nn.Module):
@@ -19,8 +19,11 @@ class SwiGLU(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = self.theta
-        return linear(self.activation(linear(x, t["ffn_gate.weight"])) * linear(x, t["ffn_up.weight"]),
-                      t["ffn_down.weight"])
+        if self.activation is F.silu:
+            h = silu_gate(x, t["ffn_gate.weight"], t["ffn_up.weight"])
+        else:
+            h = self.activation(linear(x, t["ffn_gate.weight"])) * linear(x, t["ffn_up.weight"])
+        return linear(h, t["ffn_down.weight"])
 
 
 def GeGLU(theta: Theta) -> SwiGLU:

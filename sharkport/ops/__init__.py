@@ -36,6 +36,25 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     return y if bias is None else y + cast(bias, x.dtype)
 
 
+def linear3(x: torch.Tensor, w0: Weight, w1: Weight, w2: Weight) -> tuple[torch.Tensor, ...]:
+    """(linear(x, w0), linear(x, w1), linear(x, w2)): three products of one x (attention's q, k,
+    v), in one kernel dispatch where the matvec kernels apply (sharkport.kernels)."""
+    ys = kernels.matvec_qkv(x.reshape(-1, x.shape[-1]), w0, w1, w2)
+    if ys is None:
+        return linear(x, w0), linear(x, w1), linear(x, w2)
+    return tuple(y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys)
+
+
+def silu_gate(x: torch.Tensor, gate: Weight, up: Weight) -> torch.Tensor:
+    """silu(linear(x, gate)) * linear(x, up) (llama's SwiGLU before its down projection), in one
+    kernel dispatch where the matvec kernels apply (sharkport.kernels)."""
+    rows = x.reshape(-1, x.shape[-1])
+    y = kernels.swiglu(rows, gate, up)
+    if y is None:
+        return torch.nn.functional.silu(linear(x, gate)) * linear(x, up)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 def expert(w: Weight, index: int) -> Weight:
     """Slice `index` of a stacked expert weight [X, out, in] (plain or quantized) → [out, in]."""
     if isinstance(w, QuantizedTensor):
