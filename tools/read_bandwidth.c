@@ -1,0 +1,70 @@
+// Memory read bandwidth of this machine, for tools/bench.py's decode limits: THREADS threads
+// (default: every CPU this process may use) each sum their share of a BYTES buffer (default
+// 512 MiB, far beyond the caches) with independent vector accumulators, REPEAT times; prints the
+// best rate in bytes/s. Built and run by tools/bench.py with the system C compiler:
+//
+//     cc -O2 -march=native -pthread tools/read_bandwidth.c -o read_bandwidth && ./read_bandwidth [BYTES [THREADS [REPEAT]]]
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+typedef float v8 __attribute__((vector_size(32), aligned(32)));
+
+typedef struct {
+  const v8 *p;
+  size_t n;  // vectors
+  float sum;
+} share;
+
+static void *sum(void *arg) {
+  share *s = arg;
+  v8 a = {0}, b = {0}, c = {0}, d = {0};
+  for (size_t i = 0; i + 4 <= s->n; i += 4) a += s->p[i], b += s->p[i + 1], c += s->p[i + 2], d += s->p[i + 3];
+  v8 t = a + b + c + d;
+  s->sum = t[0] + t[7];  // kept, so the loop is not optimised away
+  return NULL;
+}
+
+static double now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+int main(int argc, char **argv) {
+  cpu_set_t cpus;
+  sched_getaffinity(0, sizeof cpus, &cpus);
+  size_t bytes = argc > 1 ? strtoull(argv[1], NULL, 10) : (size_t)512 << 20;
+  int threads = argc > 2 ? atoi(argv[2]) : CPU_COUNT(&cpus), repeat = argc > 3 ? atoi(argv[3]) : 10;
+  if (threads < 1 || threads > 256 || bytes < (size_t)threads * 128) {
+    fprintf(stderr, "read_bandwidth: bad arguments (BYTES >= 128 * THREADS, 1 <= THREADS <= 256)\n");
+    return 2;
+  }
+  size_t vectors = bytes / sizeof(v8) / threads / 4 * 4 * threads;
+  v8 *buffer = aligned_alloc(64, vectors * sizeof(v8));
+  if (!buffer) {
+    fprintf(stderr, "read_bandwidth: cannot allocate %zu bytes\n", bytes);
+    return 1;
+  }
+  memset(buffer, 1, vectors * sizeof(v8));  // touch every page before timing
+  pthread_t tid[256];
+  share shares[256];
+  double best = 0;
+  for (int r = 0; r < repeat; ++r) {
+    double t0 = now();
+    for (int t = 0; t < threads; ++t) {
+      shares[t] = (share){buffer + t * (vectors / threads), vectors / threads, 0};
+      pthread_create(&tid[t], NULL, sum, &shares[t]);
+    }
+    for (int t = 0; t < threads; ++t) pthread_join(tid[t], NULL);
+    double rate = vectors * sizeof(v8) / (now() - t0);
+    best = rate > best ? rate : best;
+  }
+  printf("%.0f\n", best);
+  free(buffer);
+  return 0;
+}
