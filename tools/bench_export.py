@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Export time alone, with the configuration tools/bench.py times (prefill and decode at batch
-sizes 1 and 4, stride 32, final-logits prefill), optionally under cProfile:
+sizes 1 and 4, stride 32, final-logits prefill, matvec kernels), optionally under cProfile:
 
     python tools/bench_export.py [--irpa model.irpa] [--repeat 3] [--profile out.prof]
-        [--bs-prefill 1,4] [--bs-decode 1,4] [--mlir out.mlir]
+        [--bs-prefill 1,4] [--bs-decode 1,4] [--mlir out.mlir] [--no-matvec-kernels]
 
 Without --irpa it imports the packaged SmolLM2-135M Q4_1 GGUF into a temporary .irpa first
 (not timed). Prints one line per run: seconds and torch ops in the module. A 4-layer cut for
@@ -52,10 +52,12 @@ def main(argv=None) -> None:
     ap.add_argument("--bs-prefill", type=sizes, default=(1, 4))
     ap.add_argument("--bs-decode", type=sizes, default=(1, 4))
     ap.add_argument("--mlir", type=Path, help="save the last run's MLIR here")
+    ap.add_argument("--no-matvec-kernels", action="store_true", help="export without --matvec-kernels")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     config = ExportConfig(bs_prefill=args.bs_prefill, bs_decode=args.bs_decode, block_seq_stride=32,
-                          device_block_count=64, max_seq_len=2048)
+                          device_block_count=64, max_seq_len=2048,
+                          matvec_kernels=not args.no_matvec_kernels)
     with tempfile.TemporaryDirectory() as tmp:
         irpa = args.irpa
         if irpa is None:

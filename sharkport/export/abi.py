@@ -26,6 +26,9 @@ class ExportConfig:
     max_seq_len: int = 2048
     # decode's products with Q8_0/Q4_0/Q4_1/F16 weights through sharkport.kernels (x86-64 CPUs)
     matvec_kernels: bool = False
+    # trace every layer's transformer block (the slow path, for comparison); by default a recipe's
+    # blocks are traced once per function and called for every layer (export/blocks.py)
+    unroll_blocks: bool = False
 
     def __post_init__(self):
         for flag, sizes in (("--bs-prefill", self.bs_prefill), ("--bs-decode", self.bs_decode)):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -15,6 +16,8 @@ from .. import kernels
 from ..archive import Dataset, QuantizedTensor
 from ..fileio import atomic_output
 from ..models import CausalLM, ModelConfig, build_model
+from ..models.base import BLOCK_RUNNER
+from .blocks import BlockTracer, export_block, programs
 from .abi import (ExportConfig, ServiceConfig, dtype_name, dynamic_shapes, example_args)
 
 PARAMETER_SCOPE = "model"
@@ -69,17 +72,54 @@ def trace_programs(model: CausalLM, config: ExportConfig, program_args) -> aot.E
     """Traces `model`'s prefill_bs{N} and decode_bs{N} for the config's batch sizes into one MLIR
     module. `program_args(kind, bs)` gives each function's example args, dynamic shapes and
     argument devices (None: one device). With `config.matvec_kernels`, decode's products with
-    Q8_0/Q4_0/Q4_1/F16 weights call sharkport.kernels."""
+    Q8_0/Q4_0/Q4_1/F16 weights call sharkport.kernels.
+
+    Unless `config.unroll_blocks`, the transformer blocks a recipe runs through
+    `CausalLM.run_blocks` are traced once per function and called for every layer
+    (sharkport.export.blocks)."""
     fxb = FxProgramsBuilder(model)
     decompositions = current_aot_decompositions()
+
+    def decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+        return without_dtype_asserts(program).run_decompositions(decompositions)
+
+    tracer = BlockTracer()
     # turbine decomposes each program right after tracing it when its table is not empty; with an
     # empty one it does not, and the dtype asserts are erased before decomposing (below).
-    with extend_aot_decompositions(from_current=False), kernels.enabled(config.matvec_kernels):
-        _trace_all(fxb, config, program_args)
-    for target in fxb.programs.values():
-        target.target = without_dtype_asserts(target.target).run_decompositions(decompositions)
-    with torch.no_grad():
-        return aot.export(fxb)
+    # Block calls update the cache in place: functionalized as auto_functionalized (v1), the form
+    # turbine's importer knows.
+    with (extend_aot_decompositions(from_current=False), kernels.enabled(config.matvec_kernels),
+          torch._export.config.patch(enable_auto_functionalized_v2_for_export=False), _no_stack_traces()):
+        _trace_all(fxb, config, program_args, None if config.unroll_blocks else tracer)
+        blocks = {name: export_block(block, decompose) for name, block in tracer.blocks.items()}
+        for target in fxb.programs.values():
+            target.target = decompose(target.target)
+    with torch.no_grad(), programs(blocks, tracer.params):
+        output = aot.export(fxb)
+    _verify(output.mlir_module)
+    return output
+
+
+def _verify(module) -> None:
+    """Fails here, not in iree-compile, on a module that does not verify (MLIR would print it in
+    the generic form without a word). Single-threaded: see sharkport.mlir_ops."""
+    context = module.context
+    context.enable_multithreading(False)
+    try:
+        module.verify()
+    finally:
+        context.enable_multithreading(True)
+
+
+@contextlib.contextmanager
+def _no_stack_traces():
+    """torch.fx records the Python stack of every traced node (about 5% of the tracing time) for
+    turbine to make MLIR locations of, which the saved MLIR does not print."""
+    before, torch.fx.config.do_not_emit_stack_traces = torch.fx.config.do_not_emit_stack_traces, True
+    try:
+        yield
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = before
 
 
 def without_dtype_asserts(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
@@ -94,22 +134,25 @@ def without_dtype_asserts(program: torch.export.ExportedProgram) -> torch.export
     return program
 
 
-def _trace_all(fxb: FxProgramsBuilder, config: ExportConfig, program_args) -> None:
-    for bs in config.bs_prefill:
-        args, shapes, devices = program_args("prefill", bs)
+def _trace_all(fxb: FxProgramsBuilder, config: ExportConfig, program_args, tracer: BlockTracer | None) -> None:
+    def prefill(module, tokens, seq_lens, seq_block_ids, cache_state):
+        return module.prefill(tokens, seq_lens, seq_block_ids, cache_state)
 
-        @fxb.export_program(name=f"prefill_bs{bs}", strict=False, args=args, dynamic_shapes=shapes,
-                            arg_device=devices)
-        def _prefill(module, tokens, seq_lens, seq_block_ids, cache_state):
-            return module.prefill(tokens, seq_lens, seq_block_ids, cache_state)
+    def decode(module, tokens, seq_lens, start_positions, seq_block_ids, cache_state):
+        return module.decode(tokens, seq_lens, start_positions, seq_block_ids, cache_state)
 
-    for bs in config.bs_decode:
-        args, shapes, devices = program_args("decode", bs)
-
-        @fxb.export_program(name=f"decode_bs{bs}", strict=False, args=args, dynamic_shapes=shapes,
-                            arg_device=devices)
-        def _decode(module, tokens, seq_lens, start_positions, seq_block_ids, cache_state):
-            return module.decode(tokens, seq_lens, start_positions, seq_block_ids, cache_state)
+    for kind, sizes, fn in (("prefill", config.bs_prefill, prefill), ("decode", config.bs_decode, decode)):
+        for bs in sizes:
+            args, shapes, devices = program_args(kind, bs)
+            name = f"{kind}_bs{bs}"
+            if tracer is not None:
+                tracer.program = name
+            token = BLOCK_RUNNER.set(tracer)
+            try:
+                fxb.export_program(name=name, strict=False, args=args, dynamic_shapes=shapes,
+                                   arg_device=devices)(fn)
+            finally:
+                BLOCK_RUNNER.reset(token)
 
 
 def save_export(output: aot.ExportOutput, service: ServiceConfig,

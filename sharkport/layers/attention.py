@@ -29,9 +29,10 @@ class AttentionConfig:
 class PagedAttention(torch.nn.Module):
     """Projects Q/K/V from `attn_q`, `attn_k`, `attn_v` (or one fused `attn_qkv`), applies rotary
     embedding (unless `rope` is None), stores K/V in the paged cache, attends, and projects back
-    through `attn_output`."""
+    through `attn_output`. Its K/V go to cache layer `layer` (an int, or a 0-d int64 tensor when
+    one traced block serves every layer)."""
 
-    def __init__(self, theta: Theta, config: AttentionConfig, cache: PagedCache, layer: int):
+    def __init__(self, theta: Theta, config: AttentionConfig, cache: PagedCache, layer: int | torch.Tensor):
         super().__init__()
         self.theta, self.config, self.cache, self.layer = theta, config, cache, layer
 

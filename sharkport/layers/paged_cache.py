@@ -27,10 +27,10 @@ class PagedCache:
         # [P * L * 2, stride * Hkv * D]: one row per (page, layer, K|V).
         return cache.view(-1, self.stride * self.kv_heads * self.head_dim)
 
-    def _kv_rows(self, page_ids: torch.Tensor, layer: int) -> torch.Tensor:
+    def _kv_rows(self, page_ids: torch.Tensor, layer: int | torch.Tensor) -> torch.Tensor:
         return (page_ids * self.block_count + layer) * 2
 
-    def write_blocks(self, cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor,
+    def write_blocks(self, cache: torch.Tensor, layer: int | torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      page_ids: torch.Tensor) -> None:
         """Writes whole pages: k, v [B, S, Hkv, D] with S = blocks * stride; page_ids [B, blocks]."""
         rows = self._block_rows(cache)
@@ -38,7 +38,7 @@ class PagedCache:
         values = torch.cat([k.reshape(k_rows.shape[0], -1), v.reshape(k_rows.shape[0], -1)])
         rows.index_copy_(0, torch.cat([k_rows, k_rows + 1]), values.to(cache.dtype))
 
-    def write_positions(self, cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor,
+    def write_positions(self, cache: torch.Tensor, layer: int | torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         page_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """Writes one position per sequence: k, v [B, 1, Hkv, D] at positions [B]."""
         rows = cache.view(-1, self.kv_heads * self.head_dim)  # one row per (page, layer, K|V, slot)
@@ -47,7 +47,7 @@ class PagedCache:
         values = torch.cat([k.flatten(1), v.flatten(1)])
         rows.index_copy_(0, torch.cat([k_rows, k_rows + self.stride]), values.to(cache.dtype))
 
-    def read(self, cache: torch.Tensor, layer: int, page_ids: torch.Tensor,
+    def read(self, cache: torch.Tensor, layer: int | torch.Tensor, page_ids: torch.Tensor,
              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """page_ids [B, blocks] → k, v [B, blocks * stride, Hkv, D] in `dtype`."""
         rows = self._block_rows(cache)

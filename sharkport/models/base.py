@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ..archive import Theta
 from ..errors import SharkportError
 from ..layers.paged_cache import PagedCache
+
+
+# While set (by the exporter, sharkport.export.blocks), `CausalLM.run_blocks` hands the blocks to
+# it: runner(model, step, h, inputs, cache_state) -> h.
+BLOCK_RUNNER: ContextVar[Callable | None] = ContextVar("BLOCK_RUNNER", default=None)
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,22 @@ class CausalLM(torch.nn.Module):
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
             raise SharkportError(f"{path}: {self.hp.arch} model is missing tensors {', '.join(missing[:3])}"
                                  f"{more}; the file is incomplete or not a {self.hp.arch} model")
+
+    def run_blocks(self, step: Callable, h: torch.Tensor, inputs: tuple[torch.Tensor, ...],
+                   cache_state: torch.Tensor) -> torch.Tensor:
+        """h through every transformer block in turn: `step(theta, layer, h, *inputs, cache_state)`
+        runs the block whose weights are `theta` (blk.{i}.*) and whose K/V go to cache layer `layer`
+        (the int i; a traced 0-d int64 tensor when the exporter traces one block for all layers).
+
+        A step reads weights only through `theta` and tensors only from its arguments, and does the
+        same computation for every layer whose weights have the same names, types and shapes: the
+        exporter traces it once per function and calls it for each layer (sharkport.export.blocks)."""
+        runner = BLOCK_RUNNER.get()
+        if runner is not None:
+            return runner(self, step, h, inputs, cache_state)
+        for i in range(self.hp.block_count):
+            h = step(self.theta("blk", i), i, h, *inputs, cache_state)
+        return h
 
     def _output_weight(self):
         """output.weight, or the embeddings when they are tied (GGUF files then omit output.weight)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..archive import Dataset
+from ..archive import Dataset, Theta
 from ..formats.keys import LlamaHParams
 from ..layers import AttentionConfig, MixtureOfExperts, PagedAttention, PagedCache, SwiGLU
 from ..ops import embedding, linear, rms_norm, rope_angles
@@ -27,15 +27,8 @@ class Llama(CausalLM):
         self.hp, self.config, self.theta = hp, config, dataset.theta
         self._check_tensors(dataset)
         self.cache = PagedCache(hp.block_count, hp.head_count_kv, hp.head_dim, config.block_seq_stride)
-        attn = AttentionConfig(hp.head_count, hp.head_count_kv, hp.head_dim, dataset.rope_layout,
-                               window=hp.sliding_window)
-        self.attention = torch.nn.ModuleList(
-            PagedAttention(self.theta("blk", i), attn, self.cache, i) for i in range(hp.block_count)
-        )
-        self.ffn = torch.nn.ModuleList(
-            MixtureOfExperts(self.theta("blk", i), hp.expert_count, hp.expert_used_count) if hp.expert_count
-            else SwiGLU(self.theta("blk", i)) for i in range(hp.block_count)
-        )
+        self.attention_config = AttentionConfig(hp.head_count, hp.head_count_kv, hp.head_dim,
+                                                dataset.rope_layout, window=hp.sliding_window)
         self.output = self._output_weight()
 
     def _check_tensors(self, dataset: Dataset) -> None:
@@ -54,24 +47,32 @@ class Llama(CausalLM):
         h = rms_norm(h, self.theta["output_norm.weight"], self.hp.rms_eps)
         return linear(h, self.output).to(torch.float32)
 
-    def _block(self, i: int, h: torch.Tensor, attend) -> torch.Tensor:
-        t = self.theta("blk", i)
-        h = h + attend(self.attention[i], rms_norm(h, t["attn_norm.weight"], self.hp.rms_eps))
-        return h + self.ffn[i](rms_norm(h, t["ffn_norm.weight"], self.hp.rms_eps))
+    def _block(self, t: Theta, layer, h: torch.Tensor, attend) -> torch.Tensor:
+        """One block over weights `t` (blk.{i}.*), its K/V in cache layer `layer` (see run_blocks)."""
+        hp = self.hp
+        attention = PagedAttention(t, self.attention_config, self.cache, layer)
+        ffn = MixtureOfExperts(t, hp.expert_count, hp.expert_used_count) if hp.expert_count else SwiGLU(t)
+        h = h + attend(attention, rms_norm(h, t["attn_norm.weight"], hp.rms_eps))
+        return h + ffn(rms_norm(h, t["ffn_norm.weight"], hp.rms_eps))
+
+    def _prefill_block(self, t, layer, h, cos, sin, seq_block_ids, cache_state):
+        return self._block(t, layer, h, lambda attn, x: attn.prefill(x, (cos, sin), cache_state, seq_block_ids))
+
+    def _decode_block(self, t, layer, h, cos, sin, seq_block_ids, start_positions, seq_lens, cache_state):
+        return self._block(t, layer, h, lambda attn, x: attn.decode(
+            x, (cos, sin), cache_state, seq_block_ids, start_positions, seq_lens))
 
     def prefill(self, tokens, seq_lens, seq_block_ids, cache_state):
         B, S = tokens.shape
         positions = torch.arange(S, device=tokens.device).unsqueeze(0).expand(B, S)
-        rope = self._rope(positions)
+        cos, sin = self._rope(positions)
         h = embedding(tokens, self.theta["token_embd.weight"], self.config.dtype)
-        for i in range(self.hp.block_count):
-            h = self._block(i, h, lambda attn, x: attn.prefill(x, rope, cache_state, seq_block_ids))
+        h = self.run_blocks(self._prefill_block, h, (cos, sin, seq_block_ids), cache_state)
         return self._logits(self._prefill_rows(h, seq_lens))
 
     def decode(self, tokens, seq_lens, start_positions, seq_block_ids, cache_state):
-        rope = self._rope(start_positions.unsqueeze(1))
+        cos, sin = self._rope(start_positions.unsqueeze(1))
         h = embedding(tokens, self.theta["token_embd.weight"], self.config.dtype)
-        for i in range(self.hp.block_count):
-            h = self._block(i, h, lambda attn, x: attn.decode(
-                x, rope, cache_state, seq_block_ids, start_positions, seq_lens))
+        h = self.run_blocks(self._decode_block, h, (cos, sin, seq_block_ids, start_positions, seq_lens),
+                            cache_state)
         return self._logits(h)
