@@ -136,7 +136,10 @@ def decode_attention(q, cache_state, cache, layer, page_ids, seq_lens, scale: fl
     # The layer as a tensor operand (one traced block may serve every layer). A constant layer is
     # given with the layer count after it: IREE fills a one-value constant by a dispatch on every
     # call (a splat), and keeps a two-value one in the module's constants.
-    layer = layer.reshape(1) if isinstance(layer, torch.Tensor) else torch.tensor([layer, cache.block_count])
+    if isinstance(layer, torch.Tensor):
+        layer = torch.stack([layer.reshape(()), torch.tensor(cache.block_count)])
+    else:
+        layer = torch.tensor([layer, cache.block_count])
     out = attention_op(shape)(q.reshape(B, H * D), cache_state, page_ids, seq_lens, layer)
     return out.view(B, 1, H, D)
 
