@@ -117,3 +117,14 @@ def test_local_task_gets_a_worker_per_cpu(compiled_of):
     assert proc.returncode == 0, proc.stderr
     workers, cpus = map(int, proc.stdout.split())
     assert workers == cpus
+
+
+def test_bad_spin_setting_is_one_clear_error():
+    import os
+    import subprocess
+    import sys
+
+    code = "import iree.runtime as rt\nfrom sharkport.runtime.session import use_every_cpu\nuse_every_cpu(rt)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, SHARKPORT_IREE_SPIN_US="soon"))
+    assert proc.returncode != 0 and "SHARKPORT_IREE_SPIN_US='soon'" in proc.stderr

@@ -75,20 +75,30 @@ class Session:
 
 
 _TOPOLOGY_SET = False
+SPIN_US = 20  # how long an idle local-task worker waits for the next dispatch before sleeping
 
 
 def use_every_cpu(rt) -> None:
-    """Gives local-task devices one worker per CPU this process may run on, once per process
-    (before its first device). IREE's default topology (`physical_cores`) made one worker on this
-    project's 2-vCPU machine; two workers, side by side on SmolLM2 Q4_1 with --matvec-kernels:
-    prefill of 128 tokens 428 -> 760 tokens/s, decode bs1 36 -> 59 tokens/s (docs/performance.md).
-    Set IREE's own --task_topology_* flags (`iree.runtime.flags.parse_flags`) and
+    """Tunes local-task devices for decode latency, once per process (before its first device):
+    - one worker per CPU this process may run on. IREE's default topology (`physical_cores`)
+      made one worker on this project's 2-vCPU machine; two workers, side by side on SmolLM2
+      Q4_1 with --matvec-kernels: prefill of 128 tokens 428 -> 760 tokens/s, decode bs1 36 -> 59
+      tokens/s (docs/performance.md);
+    - workers spin SPIN_US microseconds for the next dispatch before sleeping
+      (--task_worker_spin_us; IREE's default 0 puts them to sleep between a decode step's ~500
+      dependent dispatches, and waking them costs more than the spin): SmolLM2 Q4_1 decode bs1
+      7.5 -> 6.7 ms on a quiet machine. SHARKPORT_IREE_SPIN_US sets another value (0: none).
+    Set IREE's own --task_* flags (`iree.runtime.flags.parse_flags`) and
     SHARKPORT_KEEP_IREE_TOPOLOGY=1 to choose otherwise."""
     global _TOPOLOGY_SET
     if _TOPOLOGY_SET or os.environ.get("SHARKPORT_KEEP_IREE_TOPOLOGY"):
         return
     _TOPOLOGY_SET = True
-    rt.flags.parse_flags(f"--task_topology_group_count={len(os.sched_getaffinity(0))}")
+    spin = os.environ.get("SHARKPORT_IREE_SPIN_US", str(SPIN_US))
+    if not spin.isdigit():
+        raise SharkportError(f"SHARKPORT_IREE_SPIN_US={spin!r}: give a whole number of microseconds (0: no spinning)")
+    rt.flags.parse_flags(f"--task_topology_group_count={len(os.sched_getaffinity(0))}",
+                         f"--task_worker_spin_us={spin}")
 
 
 def _embedding_rows(index, irpa) -> int:
