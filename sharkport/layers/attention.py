@@ -42,7 +42,7 @@ class PagedAttention(torch.nn.Module):
             qkv = linear(x, t["attn_qkv.weight"], t.get("attn_qkv.bias"))
             return qkv.split([c.heads * c.head_dim, c.kv_heads * c.head_dim, c.kv_heads * c.head_dim], -1)
         biases = [t.get(f"attn_{p}.bias") for p in "qkv"]
-        if not any(b is not None for b in biases):
+        if all(b is None for b in biases):
             return linear3(x, t["attn_q.weight"], t["attn_k.weight"], t["attn_v.weight"])
         return tuple(linear(x, t[f"attn_{p}.weight"], b) for p, b in zip("qkv", biases))
 
