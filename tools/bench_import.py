@@ -168,12 +168,15 @@ def main() -> int:
     args.work_dir = args.work_dir.resolve()
     args.work_dir.mkdir(parents=True, exist_ok=True)
 
+    types = [t.strip().upper() for t in args.types.split(",")]
+    if not set(types) <= {"F16", "Q8_0"}:
+        parser.error(f"--types {args.types}: this benchmark writes F16 and Q8_0 files only")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         codes = {"now": str(REPO)}
         if args.baseline:
             codes = {args.baseline: export_revision(args.baseline, Path(tmp) / "baseline"), "now": str(REPO)}
-        for type_name in args.types.split(","):
+        for type_name in types:
             path = args.work_dir / f"random-1b-{args.layers}l-{type_name.lower()}.gguf"
             if not path.exists():
                 t0 = time.perf_counter()
