@@ -1,20 +1,21 @@
-"""Hand-written CPU kernels linked into exported modules (IREE custom dispatches).
+"""Hand-written CPU kernels linked into exported modules (IREE custom dispatches) for decode.
 
-`matvec.c` computes x [M, K] @ w[N, K].T for a few rows M (decode) reading w as stored: Q8_0,
-Q4_0 and Q4_1 planes or float16. With quantized weights it multiplies 8-bit integers, as
-llama.cpp does on CPUs: x is quantized per block of 32 values as gguf's Q8_0 quantizer does, so
-the product is that of the dequantized weights with the Q8_0-dequantized x (`quantized_x`), which
-differs from the float32 product by about 1e-3 relative. IREE 3.9 generates no code that multiplies by quantized weights
-at memory speed (docs/performance.md), so with `ExportConfig.matvec_kernels` the exporter routes
-those products through these kernels: the C file is compiled by the system C compiler (`$CC`,
-else `cc`) for x86-64 with AVX2, FMA and F16C into `cache_dir()`, the MLIR names the object, and
-iree-compile links it into the .vmfb (`compile_mlir` adds the search path), so iree-run-module,
-the runner and shortfin need nothing more. Products over a dynamic number of rows (prefill) keep
-the traced dequantize-and-`mm` form.
+`matvec.c` computes x [M, K] @ w[N, K].T for a few rows M reading w as stored: Q8_0, Q4_0 and
+Q4_1 planes or float16; also q, k, v of one x in one dispatch (`matvec_qkv`), SwiGLU's
+silu(x gate^T) * (x up^T) (`swiglu`), and attention over the paged cache (`decode_attention`).
+With quantized weights it multiplies 8-bit integers, as llama.cpp does on CPUs: x is quantized
+per block of 32 values as gguf's Q8_0 quantizer does, so the product is that of the dequantized
+weights with the Q8_0-dequantized x (`quantized_x`), about 1e-3 relative from the float32
+product. IREE 3.9 generates no code that multiplies by quantized weights at memory speed
+(docs/performance.md), so with `ExportConfig.matvec_kernels` the exporter routes decode through
+these kernels: the C file is compiled by the system C compiler (`$CC`, else `cc`) for x86-64
+with AVX2, FMA and F16C into `cache_dir()`, the MLIR names the object, and iree-compile links it
+into the .vmfb (`compile_mlir` adds the search path), so iree-run-module, the runner and shortfin
+need nothing more. Products over a dynamic number of rows (prefill) keep the traced form.
 
 Under tracing each kernel is a turbine custom op whose body is a `flow.dispatch` of a
-`stream.executable` that calls the C function once per workgroup of up to 256 outputs (`kernels.ops`, loaded on use: compiling needs only this module). Eagerly the ops compute
-the same product with torch."""
+`stream.executable` that calls the C function once per workgroup (`kernels.ops`, loaded on use:
+compiling needs only this module). Eagerly the ops compute the same in torch."""
 
 from __future__ import annotations
 
