@@ -124,7 +124,7 @@ def test_bad_spin_setting_is_one_clear_error():
     import subprocess
     import sys
 
-    code = "import iree.runtime as rt\nfrom sharkport.runtime.session import use_every_cpu\nuse_every_cpu(rt)"
+    code = "import iree.runtime as rt\nfrom sharkport.runtime.session import tune_local_task\ntune_local_task(rt)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, SHARKPORT_IREE_SPIN_US="soon"))
     assert proc.returncode != 0 and "SHARKPORT_IREE_SPIN_US='soon'" in proc.stderr

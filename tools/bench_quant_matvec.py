@@ -104,9 +104,9 @@ def run(fn, args, work: Path, repeat: int, preset: str = "llvm-cpu-lean",
     """(median seconds, max abs error against eager torch) of fn compiled by IREE."""
     import iree.runtime as rt
 
-    from sharkport.runtime.session import use_every_cpu
+    from sharkport.runtime.session import tune_local_task
 
-    use_every_cpu(rt)  # as the runner does: a local-task worker per CPU
+    tune_local_task(rt)  # as the runner does: a local-task worker per CPU, spinning between dispatches
     mlir, vmfb = work / "f.mlir", work / "f.vmfb"
     module = fn if isinstance(fn, torch.nn.Module) else Traced(fn)
     with kernels.enabled(use_kernels):

@@ -116,8 +116,8 @@ def swiglu(x, gate, up):
     return _product("swiglu", x, [gate, up])
 
 
-def decode_attention(q, cache_state, cache, layer, page_ids, seq_lens, scale: float, window: int = 0,
-                     logit_cap: float = 0.0):
+def decode_attention(q, cache_state, cache, layer, page_ids, seq_lens, scale: float | None = None,
+                     window: int = 0, logit_cap: float = 0.0):
     """Attention of each sequence's one query position over its pages through the kernel:
     q [B, 1, H, D] float32 (after rotary), cache_state as `cache` (a layers.PagedCache) lays it
     out, K/V of positions < seq_lens → [B, 1, H, D]; or None where the kernel does not apply:
@@ -133,7 +133,8 @@ def decode_attention(q, cache_state, cache, layer, page_ids, seq_lens, scale: fl
         return None
     from .ops import AttentionShape, attention_op
 
-    shape = AttentionShape(H, cache.kv_heads, D, cache.block_count, cache.stride, float(scale))
+    shape = AttentionShape(H, cache.kv_heads, D, cache.block_count, cache.stride,
+                           D ** -0.5 if scale is None else float(scale))
     # The layer as a tensor operand (one traced block may serve every layer). A constant layer is
     # given with the layer count after it: IREE fills a one-value constant by a dispatch on every
     # call (a splat), and keeps a two-value one in the module's constants.

@@ -49,6 +49,13 @@ def _memref(element: str) -> str:
     return f"memref<?x{'i8' if element == 'ui8' else element}, strided<[1], offset: ?>>"
 
 
+def _objects() -> str:
+    """The executable attribute naming matvec.c's object, found through compile_mlir's search path
+    (IREE 3.9 links object bytes embedded in the MLIR as undefined symbols)."""
+    return ('hal.executable.objects = #hal.executable.objects<{#hal.executable.target<"llvm-cpu", '
+            f'"embedded-elf-x86_64"> = [#hal.executable.object<{{path = "{object_path().name}"}}>]}}>')
+
+
 def _c_name(kind: str, form: str) -> str:
     return f"sharkport_matvec_{'' if form == 'matvec' else form + '_'}{kind.lower()}"
 
@@ -87,13 +94,7 @@ def _module(kind: str, form: str, arg_types: list[tuple[int, str]]) -> str:
     entry_ns = ", ".join(f"{n}: index" for n in ns)
     return f"""
 module {{
-  stream.executable private @{c_name}_executable attributes {{
-    hal.executable.objects = #hal.executable.objects<{{
-      #hal.executable.target<"llvm-cpu", "embedded-elf-x86_64"> = [
-        #hal.executable.object<{{path = "{object_path().name}"}}>
-      ]
-    }}>
-  }} {{
+  stream.executable private @{c_name}_executable attributes {{{_objects()}}} {{
     stream.executable.export public @{c_name}_entry workgroups(%n: index, %rows: index) -> (index, index, index) {{
       %x = arith.ceildivui %n, %rows : index
       %c1 = arith.constant 1 : index
@@ -200,7 +201,8 @@ class AttentionShape:
 
 def _attention_module(shape: AttentionShape) -> str:
     """util.func `shape.name`(q [B, H*D], cache [P, page_elems], pages [B, blocks], lens [B],
-    layer [1]) -> [B, H*D], dispatching the C function over B * kv_heads workgroups."""
+    layer [2]: the cache layer, then the layer count) -> [B, H*D], dispatching the C function
+    over B * kv_heads workgroups."""
     name, c_name = shape.name, "sharkport_decode_attention"
     f32, i64 = _memref("f32"), _memref("i64")
     memrefs = ", ".join([f32, f32, i64, i64, i64, f32])
@@ -211,13 +213,7 @@ def _attention_module(shape: AttentionShape) -> str:
         for i, (t, n) in enumerate(zip([f32, f32, i64, i64, i64, f32], sizes)))
     return f"""
 module {{
-  stream.executable private @{name}_executable attributes {{
-    hal.executable.objects = #hal.executable.objects<{{
-      #hal.executable.target<"llvm-cpu", "embedded-elf-x86_64"> = [
-        #hal.executable.object<{{path = "{object_path().name}"}}>
-      ]
-    }}>
-  }} {{
+  stream.executable private @{name}_executable attributes {{{_objects()}}} {{
     stream.executable.export public @{name}_entry workgroups(%w: index) -> (index, index, index) {{
       %c1 = arith.constant 1 : index
       stream.return %w, %c1, %c1 : index, index, index
@@ -263,23 +259,22 @@ module {{
 
 
 def _attention_eager(shape: AttentionShape, q, cache, pages, lens, layer) -> torch.Tensor:
-    """The same attention in torch, from the cache as laid out by sharkport.layers.PagedCache."""
-    B, (H, Hkv, D, S) = q.shape[0], (shape.heads, shape.kv_heads, shape.head_dim, shape.stride)
-    rows = cache.view(-1, shape.layers, 2, S, Hkv, D)[pages.flatten(), int(layer[0])]  # [B*blocks, 2, S, Hkv, D]
-    rows = rows.view(B, -1, 2, S, Hkv, D).transpose(1, 2).reshape(B, 2, -1, Hkv, D)
-    k, v = rows[:, 0].float(), rows[:, 1].float()  # [B, T, Hkv, D]
-    qh = q.view(B, Hkv, H // Hkv, D)
-    scores = torch.einsum("bhgd,bthd->bhgt", qh, k) * shape.scale
-    hidden = torch.arange(k.shape[1])[None, :] >= lens[:, None]
-    scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
-    return torch.einsum("bhgt,bthd->bhgd", torch.softmax(scores, -1), v).reshape(B, H * D)
+    """The same attention in torch: the pages read as sharkport.layers.PagedCache lays them out,
+    then ops.attention under a length mask."""
+    from ..layers.paged_cache import PagedCache
+    from ..ops import attention, length_mask
+
+    B, H, D = q.shape[0], shape.heads, shape.head_dim
+    k, v = PagedCache(shape.layers, shape.kv_heads, D, shape.stride).read(cache, int(layer[0]), pages, q.dtype)
+    out = attention(q.view(B, 1, H, D), k, v, length_mask(lens, k.shape[1], q.dtype), shape.scale)
+    return out.reshape(B, H * D)
 
 
 @functools.cache
 def attention_op(shape: AttentionShape):
     """The turbine op for decode attention of `shape` (one op per shape: its constants are in its
     name): op(q [B, H*D], cache_state [P, page_elems], pages [B, blocks], seq_lens [B],
-    layer [1]) -> [B, H*D]."""
+    layer [2]) -> [B, H*D]."""
 
     class Op(CustomOp):
         signature = f"{shape.name}(Tensor q, Tensor cache, Tensor pages, Tensor lens, Tensor layer) -> (Tensor)"

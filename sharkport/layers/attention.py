@@ -83,7 +83,7 @@ class PagedAttention(torch.nn.Module):
         self.cache.write_positions(cache_state, self.layer, k, v, seq_block_ids, start_positions)
         c = self.config
         a = kernels.decode_attention(q, cache_state, self.cache, self.layer, seq_block_ids, seq_lens,
-                                     c.head_dim ** -0.5 if c.scale is None else c.scale, c.window, c.logit_cap)
+                                     c.scale, c.window, c.logit_cap)
         if a is not None:  # export --matvec-kernels: one dispatch reading the pages in place
             return self._output(a)
         k_all, v_all = self.cache.read(cache_state, self.layer, seq_block_ids, q.dtype)

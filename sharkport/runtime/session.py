@@ -74,11 +74,11 @@ class Session:
         raise NotImplementedError
 
 
-_TOPOLOGY_SET = False
+_TUNED = False
 SPIN_US = 20  # how long an idle local-task worker waits for the next dispatch before sleeping
 
 
-def use_every_cpu(rt) -> None:
+def tune_local_task(rt) -> None:
     """Tunes local-task devices for decode latency, once per process (before its first device):
     - one worker per CPU this process may run on. IREE's default topology (`physical_cores`)
       made one worker on this project's 2-vCPU machine; two workers, side by side on SmolLM2
@@ -90,10 +90,10 @@ def use_every_cpu(rt) -> None:
       7.5 -> 6.7 ms on a quiet machine. SHARKPORT_IREE_SPIN_US sets another value (0: none).
     Set IREE's own --task_* flags (`iree.runtime.flags.parse_flags`) and
     SHARKPORT_KEEP_IREE_TOPOLOGY=1 to choose otherwise."""
-    global _TOPOLOGY_SET
-    if _TOPOLOGY_SET or os.environ.get("SHARKPORT_KEEP_IREE_TOPOLOGY"):
+    global _TUNED
+    if _TUNED or os.environ.get("SHARKPORT_KEEP_IREE_TOPOLOGY"):
         return
-    _TOPOLOGY_SET = True
+    _TUNED = True
     spin = os.environ.get("SHARKPORT_IREE_SPIN_US", str(SPIN_US))
     if not spin.isdigit():
         raise SharkportError(f"SHARKPORT_IREE_SPIN_US={spin!r}: give a whole number of microseconds (0: no spinning)")
@@ -143,7 +143,7 @@ class IreeSession(Session):
         if len(uris) != n:
             raise SharkportError(f"device {self._device_name!r} names {len(uris)} devices; the module runs on {n}")
         if any(uri.startswith("local-task") for uri in uris):
-            use_every_cpu(rt)
+            tune_local_task(rt)
         devices = [rt.get_device(uri, cache=n == 1) for uri in uris]  # N > 1: N devices, not one shared
         files, vocab = parameter_files(irpa, n) if n > 1 else ([irpa], None)
         instance = rt.VmInstance()
