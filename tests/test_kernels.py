@@ -12,6 +12,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -122,20 +123,38 @@ def test_fused_products_equal_gguf_dequantization(kind, form, tmp_path):
 
 
 class _Attention(torch.nn.Module):
-    def __init__(self, cache, layer, scale):
+    def __init__(self, cache, layer, scale, layout):
         super().__init__()
-        self.cache, self.layer, self.scale = cache, layer, scale
+        self.cache, self.layer, self.scale, self.layout = cache, layer, scale, layout
 
-    def forward(self, q, cache_state, pages, lens):
-        return kernels.decode_attention(q, cache_state, self.cache, self.layer, pages, lens, self.scale)
+    def forward(self, q, k, v, cache_state, pages, starts, lens, cos, sin):
+        return kernels.decode_attention(q, k, v, cache_state, self.cache, self.layer, pages, starts, lens,
+                                        (cos, sin), self.layout, self.scale)
 
 
-@pytest.mark.parametrize("head_dim", [64, 40])
-def test_decode_attention_equals_torch_sdpa(head_dim, tmp_path):
-    """The attention kernel reading pages in place (layer 1 of 2, 16 positions a page, 6 query
-    heads on 2 kv heads, sequences of 37 and 70 positions on shuffled pages) equals torch's
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> torch.Tensor:
+    """x [H, D] rotated over its first 2 cos.numel() dims at angles atan2(sin, cos): as complex
+    multiplication of its pairs (2i, 2i+1) (interleaved, llama.cpp's rope), or by transformers'
+    rotate_half (half, HF's llama)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    r = 2 * cos.numel()
+    if layout == "interleaved":
+        z = torch.view_as_complex(x[:, :r].reshape(x.shape[0], -1, 2).to(torch.float64).contiguous())
+        turned = torch.view_as_real(z * torch.complex(cos.double(), sin.double())).flatten(1).float()
+    else:
+        c, s = torch.cat([cos, cos])[None, None], torch.cat([sin, sin])[None, None]
+        turned = apply_rotary_pos_emb(x[None, :, None, :r], x[None, :, None, :r], c, s)[0][0, :, 0]
+    return torch.cat([turned, x[:, r:]], dim=1)
+
+
+@pytest.mark.parametrize("head_dim, rope_dim, layout", [(64, 64, "interleaved"), (40, 32, "half")])
+def test_decode_attention_equals_torch_sdpa(head_dim, rope_dim, layout, tmp_path):
+    """The attention kernel (layer 1 of 2, 16 positions a page, 6 query heads on 2 kv heads,
+    sequences of 37 and 70 positions on shuffled pages) rotates q and the new k, writes the new k
+    and v into their page's slot in place (and nothing else), and equals torch's
     scaled_dot_product_attention over K/V gathered position by position. head_dim 40: the
-    kernel's 32-value chunks and its 8-value tail."""
+    kernel's 32-value chunks and its 8-value tail, and rotary over 32 of the 40 dims."""
     import iree.runtime as rt
     from iree.turbine import aot
 
@@ -145,14 +164,20 @@ def test_decode_attention_equals_torch_sdpa(head_dim, tmp_path):
     cache = PagedCache(block_count=2, kv_heads=2, head_dim=head_dim, stride=16)
     B, H, blocks, lens = 2, 6, 5, [37, 70]
     rng = np.random.default_rng(head_dim)
-    state = torch.from_numpy(rng.standard_normal((12, cache.page_elems)).astype(np.float32))
+    f32 = lambda *shape: torch.from_numpy(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
+    state = f32(12, cache.page_elems)
     pages = torch.from_numpy(rng.permutation(12)[:B * blocks].reshape(B, blocks).astype(np.int64))
-    q = torch.from_numpy(rng.standard_normal((B, 1, H, head_dim)).astype(np.float32))
+    q, k, v = f32(B, 1, H, head_dim), f32(B, 1, 2, head_dim), f32(B, 1, 2, head_dim)
     seq_lens = torch.tensor(lens, dtype=torch.int64)
+    starts = seq_lens - 1
+    angles = torch.rand(B, 1, rope_dim // 2, dtype=torch.float64) * 6.28
+    cos, sin = angles.cos().float(), angles.sin().float()
     scale = 0.7 / head_dim ** 0.5
 
-    with kernels.enabled():
-        exported = aot.export(_Attention(cache, 1, scale), args=(q, state, pages, seq_lens), strict_export=False)
+    # the kernel updates the cache in place: functionalized in the form turbine imports, as the exporter does
+    with kernels.enabled(), torch._export.config.patch(enable_auto_functionalized_v2_for_export=False):
+        exported = aot.export(_Attention(cache, 1, scale, layout), strict_export=False,
+                              args=(q, k, v, state.clone(), pages, starts, seq_lens, cos, sin))
     mlir, vmfb = tmp_path / "m.mlir", tmp_path / "m.vmfb"
     exported.save_mlir(mlir)
     assert "sharkport_decode_attention" in mlir.read_text()
@@ -160,14 +185,22 @@ def test_decode_attention_equals_torch_sdpa(head_dim, tmp_path):
     config = rt.Config("local-task")
     ctx = rt.SystemContext(config=config)
     ctx.add_vm_module(rt.VmModule.mmap(config.vm_instance, str(vmfb)))
-    args = [rt.asdevicearray(config.device, t.numpy()) for t in (q, state, pages, seq_lens)]
+    args = [rt.asdevicearray(config.device, t.numpy()) for t in (q, k, v, state, pages, starts, seq_lens, cos, sin)]
     got = np.array(ctx.modules.module["main"](*args).to_host(), copy=True)
+    written = torch.from_numpy(np.array(args[3].to_host(), copy=True))
 
-    pages_of = state.view(12, 2, 2, 16, 2, head_dim)  # [page, layer, K|V, slot, kv head, D]
+    want_state = state.clone()
+    pages_of = want_state.view(12, 2, 2, 16, 2, head_dim)  # [page, layer, K|V, slot, kv head, D]
+    for b in range(B):
+        page, slot = pages[b, starts[b] // 16], starts[b] % 16
+        pages_of[page, 1, 0, slot] = _rotated(k[b, 0], cos[b, 0], sin[b, 0], layout)
+        pages_of[page, 1, 1, slot] = v[b, 0]
+    np.testing.assert_allclose(written.numpy(), want_state.numpy(), rtol=0, atol=1e-6)
     for b in range(B):
         kv = torch.stack([pages_of[pages[b, t // 16], 1, :, t % 16] for t in range(lens[b])], dim=1)  # [2, T, Hkv, D]
-        k, v = (kv[i].transpose(0, 1).repeat_interleave(H // 2, dim=0) for i in (0, 1))  # [H, T, D]
-        want = torch.nn.functional.scaled_dot_product_attention(q[b, 0][:, None], k, v, scale=scale)[:, 0]
+        k_all, v_all = (kv[i].transpose(0, 1).repeat_interleave(H // 2, dim=0) for i in (0, 1))  # [H, T, D]
+        qr = _rotated(q[b, 0], cos[b, 0], sin[b, 0], layout)
+        want = torch.nn.functional.scaled_dot_product_attention(qr[:, None], k_all, v_all, scale=scale)[:, 0]
         np.testing.assert_allclose(got[b, 0], want.numpy(), rtol=0, atol=2e-6 * want.abs().max().item())
 
 
@@ -210,38 +243,57 @@ def _q8_0_inputs(model: torch.nn.Module) -> list:
     return [m.register_forward_pre_hook(hook) for m in model.modules() if isinstance(m, torch.nn.Linear)]
 
 
-@pytest.mark.parametrize("type_name", ["q8_0", "q4_1", "f16"])
-def test_tiny_llama_decodes_through_the_kernels_as_transformers(quantized_tiny, type_name, tmp_path):
-    """Prefill 5 tokens, then teacher-forced decode at batch 4 (every row the same sequence, on
-    its own pages; products (q, k, v in one dispatch, gate and up with SiLU in one) and attention
-    through the kernels, the 4 query heads on one kv head,
-    positions over two pages): each step's logits equal transformers' over the same quantized GGUF, with its
-    prefill in float32 and, for quantized weights, its decode steps multiplying x quantized to
-    Q8_0 by gguf.quants (the kernels' 8-bit products; prefill keeps the float32 product)."""
+@pytest.fixture(scope="module")
+def kernel_module(quantized_tiny, tmp_path_factory):
+    """type name → (vmfb, irpa, config json, GGUF) of the tiny llama quantized to that type,
+    exported with --matvec-kernels (after checking decode calls the kernels) and compiled."""
     import gguf
-    from transformers import AutoModelForCausalLM
 
     from sharkport.archive import Dataset
     from sharkport.compile import compile_mlir
     from sharkport.export import export_model, save_export
     from sharkport.models import ModelConfig
+
+    made = {}
+
+    def get(type_name: str):
+        if type_name not in made:
+            gguf_path, irpa = quantized_tiny(type_name)
+            matrices = {t.tensor_type.name for t in gguf.GGUFReader(gguf_path).tensors if len(t.shape) == 2}
+            assert matrices == {type_name.upper()}, "every linear's input is quantized below: every matrix must be"
+            out = tmp_path_factory.mktemp(f"kernel_module_{type_name}")
+            config = dataclasses.replace(TINY_EXPORT, matvec_kernels=True)
+            output, service = export_model(Dataset.load(irpa), config,
+                                           ModelConfig(block_seq_stride=config.block_seq_stride))
+            save_export(output, service, out / "m.mlir", out / "m.json")
+            mlir = (out / "m.mlir").read_text()
+            for kernel in ("sharkport_decode_kv_write", "sharkport_decode_attention", f"sharkport_matvec_qkv_{type_name}",
+                           f"sharkport_matvec_swiglu_{type_name}"):
+                assert kernel in mlir, f"{kernel} is not called: decode took the traced form"
+            compile_mlir(out / "m.mlir", out / "m.vmfb")
+            made[type_name] = out / "m.vmfb", irpa, out / "m.json", gguf_path
+        return made[type_name]
+
+    return get
+
+
+@pytest.mark.parametrize("type_name", ["q8_0", "q4_1", "f16"])
+def test_tiny_llama_decodes_through_the_kernels_as_transformers(kernel_module, type_name):
+    """Prefill 5 tokens, then teacher-forced decode at batch 4 (every row the same sequence, on
+    its own pages; products (q, k, v in one dispatch, gate and up with SiLU in one), rotary, the
+    cache write and attention through the kernels, the 4 query heads on one kv head, positions
+    over two pages): each step's logits equal transformers' over the same quantized GGUF, with
+    its prefill in float32 and, for quantized weights, its decode steps multiplying x quantized to
+    Q8_0 by gguf.quants (the kernels' 8-bit products; prefill keeps the float32 product)."""
+    from transformers import AutoModelForCausalLM
+
     from sharkport.runtime.session import IreeSession
 
-    gguf_path, irpa = quantized_tiny(type_name)
-    matrices = {t.tensor_type.name for t in gguf.GGUFReader(gguf_path).tensors if len(t.shape) == 2}
-    assert matrices == {type_name.upper()}, "every linear's input is quantized below: every matrix must be"
-    config = dataclasses.replace(TINY_EXPORT, matvec_kernels=True)
-    output, service = export_model(Dataset.load(irpa), config, ModelConfig(block_seq_stride=config.block_seq_stride))
-    save_export(output, service, tmp_path / "m.mlir", tmp_path / "m.json")
-    assert kernels.referenced_by(tmp_path / "m.mlir")
-    mlir = (tmp_path / "m.mlir").read_text()
-    for kernel in ("sharkport_decode_attention", f"sharkport_matvec_qkv_{type_name}", f"sharkport_matvec_swiglu_{type_name}"):
-        assert kernel in mlir, f"{kernel} is not called: decode took the traced form"
-    compile_mlir(tmp_path / "m.mlir", tmp_path / "m.vmfb")
-    session = IreeSession(tmp_path / "m.vmfb", irpa, tmp_path / "m.json", pages=config.device_block_count)
+    vmfb, irpa, config_json, gguf_path = kernel_module(type_name)
+    session = IreeSession(vmfb, irpa, config_json, pages=TINY_EXPORT.device_block_count)
 
     ids = [3, 99, 14, 200, 7, 7, 51, 128, 60, 2, 31, 90, 17, 5, 250, 33, 8, 64, 101, 12]  # 20: two pages of 16
-    prompt, stride = 5, config.block_seq_stride
+    prompt, stride = 5, TINY_EXPORT.block_seq_stride
     hf = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     want = {}
     with torch.no_grad():
@@ -263,6 +315,28 @@ def test_tiny_llama_decodes_through_the_kernels_as_transformers(quantized_tiny, 
         for row in range(4):
             np.testing.assert_allclose(got[row, 0], want[pos], rtol=0, atol=2e-4 * np.abs(want[pos]).max(),
                                        err_msg=f"position {pos}, row {row}")
+
+
+def test_kernel_decode_writes_the_cache_in_place(kernel_module):
+    """A decode step through the kernels costs the same with 16 pages as with 65536 (268 MB of
+    cache): IREE copying the cache_state argument in and out of each call (as it does when the
+    kernels' in-place write is not recognised as such) would cost tens of ms."""
+    from sharkport.runtime.session import IreeSession
+
+    vmfb, irpa, config_json, _ = kernel_module("q8_0")
+
+    def decode_ms(pages: int, calls: int = 30) -> float:
+        session = IreeSession(vmfb, irpa, config_json, pages=pages)
+        tokens, lengths, ids = np.zeros((4, 1), np.int64), np.full(4, 20, np.int64), np.arange(8).reshape(4, 2)
+        times = []
+        for _ in range(calls + 3):
+            t0 = time.perf_counter()
+            session.decode(tokens, lengths, lengths - 1, ids)
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times[3:])) * 1e3
+
+    small, large = decode_ms(16), decode_ms(65536)
+    assert large < 3 * small + 1.0, (small, large)
 
 
 def test_missing_c_compiler_is_one_line(tiny, tmp_path):

@@ -116,25 +116,28 @@ def swiglu(x, gate, up):
     return _product("swiglu", x, [gate, up])
 
 
-def decode_attention(q, cache_state, cache, layer, page_ids, seq_lens, scale: float | None = None,
-                     window: int = 0, logit_cap: float = 0.0):
-    """Attention of each sequence's one query position over its pages through the kernel:
-    q [B, 1, H, D] float32 (after rotary), cache_state as `cache` (a layers.PagedCache) lays it
-    out, K/V of positions < seq_lens → [B, 1, H, D]; or None where the kernel does not apply:
-    outside `enabled()`, a sliding window, soft-capping, a cache or q not in float32, shapes
-    beyond MAX_GD / MAX_STRIDE."""
+def decode_attention(q, k, v, cache_state, cache, layer, page_ids, start_positions, seq_lens, rope=None,
+                     rope_layout: str = "interleaved", scale: float | None = None, window: int = 0,
+                     logit_cap: float = 0.0):
+    """Decode attention in two kernel dispatches: rotates q [B, 1, H, D] and k [B, 1, Hkv, D] by
+    `rope` (cos, sin [B, 1, R/2], or None) in `rope_layout` (as ops.apply_rope), writes k and v
+    at start_positions into cache_state (as `cache`, a layers.PagedCache, lays it out; in place),
+    and attends to the positions < seq_lens → [B, 1, H, D]. Returns None, having written
+    nothing, where the kernel does not apply: outside `enabled()`, a sliding window,
+    soft-capping, a cache or q not in float32, shapes beyond MAX_GD / MAX_STRIDE."""
     import torch
 
     B, S, H, D = q.shape
-    G = H // cache.kv_heads
+    G, rope_dim = H // cache.kv_heads, 2 * rope[0].shape[-1] if rope is not None else 0
     if not (_enabled and isinstance(S, int) and S == 1 and q.dtype == torch.float32
             and cache_state.dtype == torch.float32 and not window and not logit_cap
-            and D % 8 == 0 and G * D <= MAX_GD and cache.stride <= MAX_STRIDE):
+            and D % 8 == 0 and G * D <= MAX_GD and cache.stride <= MAX_STRIDE and rope_dim <= D):
         return None
-    from .ops import AttentionShape, attention_op
+    from .ops import AttentionShape, attention_op, kv_write_op
 
     shape = AttentionShape(H, cache.kv_heads, D, cache.block_count, cache.stride,
-                           D ** -0.5 if scale is None else float(scale))
+                           D ** -0.5 if scale is None else float(scale), rope_dim, rope_layout)
+    cos, sin = (t.reshape(B, -1) for t in rope) if rope is not None else (q.reshape(B, -1),) * 2  # unread
     # The layer as a tensor operand (one traced block may serve every layer). A constant layer is
     # given with the layer count after it: IREE fills a one-value constant by a dispatch on every
     # call (a splat), and keeps a two-value one in the module's constants.
@@ -142,7 +145,8 @@ def decode_attention(q, cache_state, cache, layer, page_ids, seq_lens, scale: fl
         layer = torch.stack([layer.reshape(()), torch.tensor(cache.block_count)])
     else:
         layer = torch.tensor([layer, cache.block_count])
-    out = attention_op(shape)(q.reshape(B, H * D), cache_state, page_ids, seq_lens, layer)
+    kv_write_op(shape)(k.reshape(B, -1), v.reshape(B, -1), cache_state, page_ids, start_positions, layer, cos, sin)
+    out = attention_op(shape)(q.reshape(B, H * D), cache_state, page_ids, seq_lens, layer, cos, sin)
     return out.view(B, 1, H, D)
 
 
@@ -211,7 +215,7 @@ def referenced_by(mlir_path: str | os.PathLike) -> bool:
     import mmap
 
     with open(mlir_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        return any(m.find(symbol) >= 0 for symbol in (b"sharkport_matvec_", b"sharkport_decode_attention"))
+        return any(m.find(symbol) >= 0 for symbol in (b"sharkport_matvec_", b"sharkport_decode_"))
 
 
 def compile_flags_for(mlir_path: str | os.PathLike) -> list[str]:

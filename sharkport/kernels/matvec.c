@@ -80,6 +80,21 @@ static void quantize_x(const float *x, size_t mc, size_t K, int8_t *q, float *d,
   }
 }
 
+// Q4 weights hold a block's 32 values as 16 bytes (value j in the low nibble of byte j, value
+// j + 16 in its high nibble), so two consecutive blocks are one 32-byte load whose low nibbles are
+// values 0..15 of both blocks and whose high nibbles are values 16..31. For them, x's quantized
+// blocks are rearranged in pairs to match: values 0..15 of blocks 2p and 2p + 1, then values
+// 16..31 of both (an odd last block keeps its order).
+static void pair_blocks(int8_t *q, size_t mc, size_t K) {
+  for (size_t i = 0; i < mc; ++i)
+    for (size_t b = 0; b + 2 <= K / 32; b += 2) {
+      int8_t *p = q + i * K + 32 * b;
+      __m256i a = _mm256_loadu_si256((const __m256i *)p), c = _mm256_loadu_si256((const __m256i *)(p + 32));
+      _mm256_storeu_si256((__m256i *)p, _mm256_permute2x128_si256(a, c, 0x20));
+      _mm256_storeu_si256((__m256i *)(p + 32), _mm256_permute2x128_si256(a, c, 0x31));
+    }
+}
+
 // Workspace of one workgroup: its rows of x quantized (q, with per block the scale xd and
 // xd * sum of q, xs), and for the row of w at hand the products of its block scales with x's (cs).
 typedef struct {
@@ -158,6 +173,22 @@ INLINE __m256i nibbles(const uint8_t *p) {
     }                                                                                           \
   }
 
+// Blocks 2p and 2p + 1 of a Q4 w times those of every row of x (paired, see pair_blocks), scaled,
+// into partial sum u: the two blocks' values meet x's in two `maddubs`, whose sums (|.| <= 2 * 2
+// * 15 * 127) add in 16 bits; lanes 0..3 then hold block 2p's sum, 4..7 block 2p + 1's.
+#define Q4_PAIR_STEP(pair, u)                                                                          \
+  {                                                                                                    \
+    __m256i v = load32((const uint8_t *)qn + 32 * (pair));                                             \
+    __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);     \
+    for (size_t i = 0; i < MC; ++i) {                                                                  \
+      const int8_t *xq = ws->q + i * K + 64 * (pair);                                                  \
+      __m256i sums = _mm256_add_epi16(_mm256_maddubs_epi16(lo, load32(xq)), _mm256_maddubs_epi16(hi, load32(xq + 32))); \
+      __m256 prod = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums, _mm256_set1_epi16(1)));                 \
+      __m256 sc = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(ws->cs + i * B + 2 * (pair))));  \
+      acc[i][u] = _mm256_fmadd_ps(prod, _mm256_permutevar8x32_ps(sc, pair_lanes), acc[i][u]);          \
+    }                                                                                                  \
+  }
+
 // One row n of a quantized w (its blocks at qn, scales d, offsets m) times MC rows of x.
 INLINE void q_row(workspace *ws, int kind, const void *qn, const uint16_t *d, const uint16_t *m, size_t MC,
                   size_t K, float *out) {
@@ -167,11 +198,22 @@ INLINE void q_row(workspace *ws, int kind, const void *qn, const uint16_t *d, co
   for (size_t i = 0; i < MC; ++i)
     for (size_t u = 0; u < SPLIT(MC); ++u) acc[i][u] = _mm256_setzero_ps();
   size_t b = 0;
-  for (; b + SPLIT(MC) <= B; b += SPLIT(MC)) {
-    Q_STEP(b, 0)
-    if (SPLIT(MC) > 1) Q_STEP(b + 1, 1)
-    if (SPLIT(MC) > 2) Q_STEP(b + 2, 2)
-    if (SPLIT(MC) > 3) Q_STEP(b + 3, 3)
+  if (kind == Q8_0) {
+    for (; b + SPLIT(MC) <= B; b += SPLIT(MC)) {
+      Q_STEP(b, 0)
+      if (SPLIT(MC) > 1) Q_STEP(b + 1, 1)
+      if (SPLIT(MC) > 2) Q_STEP(b + 2, 2)
+      if (SPLIT(MC) > 3) Q_STEP(b + 3, 3)
+    }
+  } else {
+    const __m256i low4 = _mm256_set1_epi8(15), pair_lanes = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    size_t pairs = B / 2, p = 0, step = SPLIT(MC) > 1 ? 2 : 1;
+    for (; p + step <= pairs; p += step) {
+      Q4_PAIR_STEP(p, 0)
+      if (step > 1) Q4_PAIR_STEP(p + 1, 1)
+    }
+    for (; p < pairs; ++p) Q4_PAIR_STEP(p, 0)
+    b = 2 * pairs;
   }
   for (; b < B; ++b) Q_STEP(b, 0)
   for (size_t i = 0; i < MC; ++i) {
@@ -287,6 +329,7 @@ INLINE void matvec(int kind, int op, const float *x, const matrix *w, size_t cou
   for (size_t m0 = 0, mc; m0 < M; m0 += mc) {
     mc = kind == F16 ? (M - m0 < MAX_M ? M - m0 : MAX_M) : chunk_rows(M, m0, K);
     if (kind != F16) quantize_x(x + m0 * K, mc, K, ws.q, ws.xd, ws.xs);
+    if (kind == Q4_0 || kind == Q4_1) pair_blocks(ws.q, mc, K);
     size_t j = 0, first = 0;  // the matrix holding output n, and its first output
     for (size_t n = n0; n < n1; ++n) {
       float out[MAX_M] = {0};
@@ -341,23 +384,63 @@ DEFINE_KERNELS(F16, f16)
 
 // ---- Decode attention over the paged KV cache ----
 //
-// One query position per sequence attends to the positions [0, len) of its pages. The cache is
-// sharkport.layers.PagedCache's flat float32 [pages, L, 2 (K, V), stride, Hkv, D]. Each
-// workgroup takes one (sequence, kv head) and its G query heads, so that K and V are read once;
-// it walks the sequence a page at a time with a running softmax (scores of a page, their max,
-// the earlier sums rescaled), in float32 throughout.
+// One new position per sequence: sharkport_decode_kv_write rotates its k and writes k and v
+// into the cache (in place), then sharkport_decode_attention attends with its rotated query to
+// the positions [0, len) of its pages. (In one dispatch, IREE 3.9 copies the whole cache in and
+// out: a dispatch with a new result and one tied to an operand is given one new allocation.)
+// The cache is sharkport.layers.PagedCache's flat float32 [pages, L, 2 (K, V), stride, Hkv, D].
+// Each workgroup takes one (sequence, kv head): the write, its slot of the new position; the
+// attention, its G query heads, so that K and V are read once, walking the sequence a page at a
+// time with a running softmax (scores of a page, their max, the earlier sums rescaled), in
+// float32 throughout.
 
-// MAX_GD (query heads per kv head times head_dim) and MAX_STRIDE come from CFLAGS.
+// Rotary embedding of one head x [D] over its first R dims by angles (c, s) [R / 2]: pairs
+// (2i, 2i + 1) when interleaved (GGUF), else (i, i + R / 2) (HF); as sharkport.ops.apply_rope.
+INLINE void rope(float *out, const float *x, const float *c, const float *s, size_t D, size_t R,
+                 int interleaved) {
+  for (size_t d = 0; d < D; ++d) out[d] = x[d];
+  for (size_t i = 0; i < R / 2; ++i) {
+    size_t a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + R / 2;
+    out[a] = x[a] * c[i] - x[b] * s[i];
+    out[b] = x[b] * c[i] + x[a] * s[i];
+  }
+}
+
+// k and v [B, Hkv D] of the new positions (k before rotary) into their pages' slots of cache;
+// pages [B, blocks]; starts [B] (the new positions); layer [2]: the cache layer, then the layer
+// count; rcos and rsin [B, R / 2] (unread when R is 0).
+void sharkport_decode_kv_write(MEMREF(const float, knew), MEMREF(const float, vnew), MEMREF(float, cache),
+                               MEMREF(const int64_t, pages), MEMREF(const int64_t, starts),
+                               MEMREF(const int64_t, layer), MEMREF(const float, rcos), MEMREF(const float, rsin),
+                               size_t blocks, size_t Hkv, size_t D, size_t L, size_t stride, size_t R,
+                               size_t interleaved, size_t wg) {
+  size_t b = wg / Hkv, g = wg % Hkv, pos = (size_t)BASE(starts)[b], l = (size_t)BASE(layer)[0];
+  if (R > D) return;  // never traced: kernels routes only these
+  size_t slot_elems = Hkv * D, kv_elems = stride * slot_elems;
+  size_t page = (size_t)BASE(pages)[b * blocks + pos / stride];
+  float *slot = BASE(cache) + (page * L + l) * 2 * kv_elems + (pos % stride) * slot_elems + g * D;
+  rope(slot, BASE(knew) + (b * Hkv + g) * D, BASE(rcos) + b * (R / 2), BASE(rsin) + b * (R / 2), D, R,
+       (int)interleaved);
+  for (size_t d = 0; d < D; ++d) slot[kv_elems + d] = BASE(vnew)[(b * Hkv + g) * D + d];
+}
+
+// q [B, H D] (before rotary) attends to positions [0, lens) of the cache; pages [B, blocks];
+// layer, rcos and rsin as above; out [B, H D]. MAX_GD (query heads per kv head times head_dim)
+// and MAX_STRIDE come from CFLAGS.
 void sharkport_decode_attention(MEMREF(const float, q), MEMREF(const float, cache), MEMREF(const int64_t, pages),
-                                MEMREF(const int64_t, lens), MEMREF(const int64_t, layer), MEMREF(float, out),
-                                size_t blocks, size_t H, size_t Hkv, size_t D, size_t L, size_t stride,
-                                float scale, size_t wg) {
+                                MEMREF(const int64_t, lens), MEMREF(const int64_t, layer), MEMREF(const float, rcos),
+                                MEMREF(const float, rsin), MEMREF(float, out), size_t blocks, size_t H, size_t Hkv,
+                                size_t D, size_t L, size_t stride, size_t R, size_t interleaved, float scale,
+                                size_t wg) {
   size_t b = wg / Hkv, g = wg % Hkv, G = H / Hkv;
-  if (G * D > MAX_GD || stride > MAX_STRIDE || D % 8) return;  // never traced: kernels routes only these
-  const float *qb = BASE(q) + (b * H + g * G) * D;  // the G query heads of kv head g, [G, D]
+  if (G * D > MAX_GD || stride > MAX_STRIDE || D % 8 || R > D) return;  // never traced: kernels routes only these
   const int64_t *page_ids = BASE(pages) + b * blocks;
   size_t len = (size_t)BASE(lens)[b], l = (size_t)BASE(layer)[0];
   size_t slot_elems = Hkv * D, kv_elems = stride * slot_elems;  // one K (or V) of a page and layer
+  float qb[MAX_GD];  // the G query heads of kv head g, rotated, [G, D]
+  for (size_t h = 0; h < G; ++h)
+    rope(qb + h * D, BASE(q) + (b * H + g * G + h) * D, BASE(rcos) + b * (R / 2), BASE(rsin) + b * (R / 2), D, R,
+         (int)interleaved);
   float acc[MAX_GD], run_max[MAX_GD / 8], run_sum[MAX_GD / 8], p[MAX_STRIDE];
   for (size_t i = 0; i < G * D; ++i) acc[i] = 0.0f;
   for (size_t h = 0; h < G; ++h) run_max[h] = -__builtin_inff(), run_sum[h] = 0.0f;

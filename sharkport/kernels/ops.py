@@ -187,6 +187,8 @@ class AttentionShape:
     layers: int  # of the cache
     stride: int  # positions per page
     scale: float
+    rope_dim: int = 0  # dims each head rotates (0: no rotary)
+    rope_layout: str = "interleaved"  # pairs (2i, 2i+1), or "half": (i, i + rope_dim/2)
 
     @property
     def scale_bits(self) -> int:
@@ -195,22 +197,55 @@ class AttentionShape:
 
     @property
     def name(self) -> str:
+        rope = f"_r{self.rope_dim}{'i' if self.rope_layout == 'interleaved' else 'h'}" if self.rope_dim else ""
         return (f"sharkport_decode_attention_h{self.heads}_kv{self.kv_heads}_d{self.head_dim}"
-                f"_l{self.layers}_s{self.stride}_x{self.scale_bits:08x}")
+                f"_l{self.layers}_s{self.stride}_x{self.scale_bits:08x}{rope}")
 
 
-def _attention_module(shape: AttentionShape) -> str:
-    """util.func `shape.name`(q [B, H*D], cache [P, page_elems], pages [B, blocks], lens [B],
-    layer [2]: the cache layer, then the layer count) -> [B, H*D], dispatching the C function
-    over B * kv_heads workgroups."""
-    name, c_name = shape.name, "sharkport_decode_attention"
-    f32, i64 = _memref("f32"), _memref("i64")
-    memrefs = ", ".join([f32, f32, i64, i64, i64, f32])
-    bindings = ", ".join(f"%b{i}: !stream.binding" for i in range(6))
-    sizes = ["%nq", "%ncache", "%npages", "%nb", "%c1", "%nq"]
-    subspans = "\n".join(
-        f"        %s{i} = stream.binding.subspan %b{i}[%c0] : !stream.binding -> {t}{{{n}}}"
-        for i, (t, n) in enumerate(zip([f32, f32, i64, i64, i64, f32], sizes)))
+# The decode attention kernels' tensor operands: (name, element type, rank). The write's cache is
+# updated in place (its result is tied to it); the attention returns a new [B, H*D].
+_KV_WRITE_ARGS = (("k", "f32", 2), ("v", "f32", 2), ("cache", "f32", 2), ("pages", "i64", 2), ("starts", "i64", 1),
+                  ("layer", "i64", 1), ("cos", "f32", 2), ("sin", "f32", 2))
+_ATTENTION_ARGS = (("q", "f32", 2), ("cache", "f32", 2), ("pages", "i64", 2), ("lens", "i64", 1),
+                   ("layer", "i64", 1), ("cos", "f32", 2), ("sin", "f32", 2))
+
+
+def _paged_module(name: str, c_name: str, args, constants: list[tuple[str, str]], kv_heads: int) -> str:
+    """MLIR module text of util.func `name` over tensor operands `args` (see _ATTENTION_ARGS),
+    dispatching C function `c_name` over B * kv_heads workgroups (B: the first operand's rows).
+    The C function takes each operand's memref, then the pages' columns (blocks), the
+    `constants` (MLIR value, type) and the workgroup id. Its result is the cache updated in place
+    when an operand is named "cache" and none is named "q", else a new tensor shaped as q."""
+    n = len(args)
+    names = [a for a, _, _ in args]
+    in_place = "q" not in names
+    types = [f"tensor<{'?x' * rank}{e}>" for _, e, rank in args]
+    elements = [e for _, e, _ in args] + ([] if in_place else ["f32"])
+    memrefs = ", ".join(_memref(e) for e in elements)
+    subspans = "\n".join(  # the result (attention) has q's size
+        f"        %s{i} = stream.binding.subspan %b{i}[%c0] : !stream.binding -> {_memref(e)}{{%n{i if i < n else 0}}}"
+        for i, e in enumerate(elements))
+    dims = [[f"%a{i}d{j}" for j in range(rank)] for i, (_, _, rank) in enumerate(args)]
+    dim_ops = "\n".join(f"    {d} = tensor.dim %a{i}, %c{j} : {types[i]}" for i, ds in enumerate(dims)
+                        for j, d in enumerate(ds))
+    counts = "\n".join(f"    %n{i} = arith.muli {ds[0]}, {ds[1]} : index" if len(ds) == 2 else
+                       f"    %n{i} = arith.addi {ds[0]}, %c0 : index" for i, ds in enumerate(dims))
+    operands = ", ".join(f"{types[i]}{{{', '.join(ds)}}}" for i, ds in enumerate(dims))
+    constant_ops = "\n".join(f"        %k{i} = arith.constant {value} : {t}" for i, (value, t) in enumerate(constants))
+    constant_types = ", ".join(t for _, t in constants)
+    call_args = ", ".join([f"%s{i}" for i in range(len(elements))] + ["%blocks"]
+                          + [f"%k{i}" for i in range(len(constants))] + ["%wg"])
+    pages = names.index("pages")
+    if in_place:
+        # The result's rows are computed anew (elements / columns) rather than being the operand's
+        # dim: with the same SSA dims, IREE 3.9 merges the import of the cache argument with the one
+        # the exported function's final in-place write-back makes, and then copies the whole cache
+        # in and out of every call (copy-on-write of a value used twice).
+        cache = names.index("cache")
+        rows = f"    %rows = arith.divui %n{cache}, {dims[cache][1]} : index"
+        result_type, result = types[cache], f"%a{cache}{{%rows, {dims[cache][1]}}}"
+    else:
+        rows, result_type, result = "", types[0], f"{types[0]}{{{', '.join(dims[0])}}}"
     return f"""
 module {{
   stream.executable private @{name}_executable attributes {{{_objects()}}} {{
@@ -219,77 +254,120 @@ module {{
       stream.return %w, %c1, %c1 : index, index, index
     }}
     builtin.module {{
-      func.func private @{c_name}({memrefs}, index, index, index, index, index, index, f32, index) attributes {{hal.import.static}}
-      func.func @{name}_entry({bindings}, %nq: index, %ncache: index, %npages: index, %nb: index, %blocks: index) {{
+      func.func private @{c_name}({memrefs}, index, {constant_types}, index) attributes {{hal.import.static}}
+      func.func @{name}_entry({", ".join(f"%b{i}: !stream.binding" for i in range(len(elements)))}, {", ".join(f"%n{i}: index" for i in range(n))}, %blocks: index) {{
         %c0 = arith.constant 0 : index
-        %c1 = arith.constant 1 : index
         %wg = hal.interface.workgroup.id[0] : index
 {subspans}
-        %h = arith.constant {shape.heads} : index
-        %hkv = arith.constant {shape.kv_heads} : index
-        %d = arith.constant {shape.head_dim} : index
-        %l = arith.constant {shape.layers} : index
-        %stride = arith.constant {shape.stride} : index
-        %scale = arith.constant 0x{shape.scale_bits:08X} : f32
-        func.call @{c_name}(%s0, %s1, %s2, %s3, %s4, %s5, %blocks, %h, %hkv, %d, %l, %stride, %scale, %wg) : ({memrefs}, index, index, index, index, index, index, f32, index) -> ()
+{constant_ops}
+        func.call @{c_name}({call_args}) : ({memrefs}, index, {constant_types}, index) -> ()
         return
       }}
     }}
   }}
-  util.func private @{name}(%q: tensor<?x?xf32>, %cache: tensor<?x?xf32>, %pages: tensor<?x?xi64>, %lens: tensor<?xi64>, %layer: tensor<?xi64>) -> tensor<?x?xf32> {{
+  util.func private @{name}({", ".join(f"%a{i}: {t}" for i, t in enumerate(types))}) -> {result_type} {{
     %c0 = arith.constant 0 : index
     %c1 = arith.constant 1 : index
-    %qd0 = tensor.dim %q, %c0 : tensor<?x?xf32>
-    %qd1 = tensor.dim %q, %c1 : tensor<?x?xf32>
-    %cd0 = tensor.dim %cache, %c0 : tensor<?x?xf32>
-    %cd1 = tensor.dim %cache, %c1 : tensor<?x?xf32>
-    %pd0 = tensor.dim %pages, %c0 : tensor<?x?xi64>
-    %pd1 = tensor.dim %pages, %c1 : tensor<?x?xi64>
-    %ld0 = tensor.dim %lens, %c0 : tensor<?xi64>
-    %yd0 = tensor.dim %layer, %c0 : tensor<?xi64>
-    %nq = arith.muli %qd0, %qd1 : index
-    %ncache = arith.muli %cd0, %cd1 : index
-    %npages = arith.muli %pd0, %pd1 : index
-    %hkv = arith.constant {shape.kv_heads} : index
-    %wgs = arith.muli %qd0, %hkv : index
-    %y = flow.dispatch @{name}_executable::@{name}_entry[%wgs](%q, %cache, %pages, %lens, %layer, %nq, %ncache, %npages, %ld0, %pd1) : (tensor<?x?xf32>{{%qd0, %qd1}}, tensor<?x?xf32>{{%cd0, %cd1}}, tensor<?x?xi64>{{%pd0, %pd1}}, tensor<?xi64>{{%ld0}}, tensor<?xi64>{{%yd0}}, index, index, index, index, index) -> tensor<?x?xf32>{{%qd0, %qd1}}
-    util.return %y : tensor<?x?xf32>
+{dim_ops}
+{counts}
+    %hkv = arith.constant {kv_heads} : index
+    %wgs = arith.muli %a0d0, %hkv : index
+{rows}
+    %y = flow.dispatch @{name}_executable::@{name}_entry[%wgs]({", ".join(f"%a{i}" for i in range(n))}, {", ".join(f"%n{i}" for i in range(n))}, %a{pages}d1) : ({operands}, {", ".join(["index"] * n)}, index) -> {result}
+    util.return %y : {result_type}
   }}
 }}"""
 
 
-def _attention_eager(shape: AttentionShape, q, cache, pages, lens, layer) -> torch.Tensor:
-    """The same attention in torch: the pages read as sharkport.layers.PagedCache lays them out,
-    then ops.attention under a length mask."""
+def _constants(shape: AttentionShape, *names: str) -> list[tuple[str, str]]:
+    """The C function's constant arguments `names` of `shape`, as (MLIR value, type)."""
+    values = {"H": shape.heads, "Hkv": shape.kv_heads, "D": shape.head_dim, "L": shape.layers,
+              "stride": shape.stride, "R": shape.rope_dim, "interleaved": int(shape.rope_layout == "interleaved")}
+    out = [(str(values[n]), "index") for n in names if n != "scale"]
+    return out + ([(f"0x{shape.scale_bits:08X}", "f32")] if "scale" in names else [])
+
+
+def _rotated(shape: AttentionShape, x, cos, sin, heads: int):
+    from ..ops import apply_rope
+
+    B = x.shape[0]
+    x = x.view(B, 1, heads, shape.head_dim)
+    return apply_rope(x, cos.view(B, 1, -1), sin.view(B, 1, -1), shape.rope_layout) if shape.rope_dim else x
+
+
+def _kv_write_eager(shape: AttentionShape, k, v, cache, pages, starts, layer, cos, sin) -> None:
+    """The write in torch: k rotated as ops.apply_rope, written as sharkport.layers.PagedCache does."""
+    from ..layers.paged_cache import PagedCache
+
+    B, Hkv = k.shape[0], shape.kv_heads
+    paged = PagedCache(shape.layers, Hkv, shape.head_dim, shape.stride)
+    paged.write_positions(cache, int(layer[0]), _rotated(shape, k, cos, sin, Hkv),
+                          v.view(B, 1, Hkv, shape.head_dim), pages, starts)
+
+
+def _attention_eager(shape: AttentionShape, q, cache, pages, lens, layer, cos, sin) -> torch.Tensor:
+    """The attention in torch: q rotated as ops.apply_rope, the pages read as
+    sharkport.layers.PagedCache does, then ops.attention under a length mask."""
     from ..layers.paged_cache import PagedCache
     from ..ops import attention, length_mask
 
-    B, H, D = q.shape[0], shape.heads, shape.head_dim
-    k, v = PagedCache(shape.layers, shape.kv_heads, D, shape.stride).read(cache, int(layer[0]), pages, q.dtype)
-    out = attention(q.view(B, 1, H, D), k, v, length_mask(lens, k.shape[1], q.dtype), shape.scale)
-    return out.reshape(B, H * D)
+    B, H = q.shape[0], shape.heads
+    q = _rotated(shape, q, cos, sin, H)
+    k, v = PagedCache(shape.layers, shape.kv_heads, shape.head_dim, shape.stride).read(cache, int(layer[0]), pages,
+                                                                                      q.dtype)
+    out = attention(q, k, v, length_mask(lens, k.shape[1], q.dtype), shape.scale)
+    return out.reshape(B, H * shape.head_dim)
+
+
+@functools.cache
+def kv_write_op(shape: AttentionShape):
+    """The turbine op writing decode's new K/V (k rotated) into the cache in place:
+    op(k [B, Hkv*D], v [B, Hkv*D], cache_state [P, page_elems], pages [B, blocks],
+    start_positions [B], layer [2], cos [B, R/2], sin [B, R/2]) -> ()."""
+    name = shape.name.replace("sharkport_decode_attention", "sharkport_decode_kv_write")
+    args = ", ".join(f"Tensor{'(a!)' if arg == 'cache' else ''} {arg}" for arg, _, _ in _KV_WRITE_ARGS)
+
+    class Op(CustomOp):
+        signature = f"{name}({args}) -> ()"
+
+        def select(self, ksel: KernelSelection):
+            for i, (arg, _, _) in enumerate(_KV_WRITE_ARGS):
+                ksel.arg_tensor(i, inplace_tied=arg == "cache")
+
+        def eager_execute(self, *args):
+            _kv_write_eager(shape, *args)
+
+        def generate(self, ksel: KernelSelection, kb: KernelBuilder):
+            constants = _constants(shape, "Hkv", "D", "L", "stride", "R", "interleaved")
+            call_mlir_function(kb, name, lambda: _paged_module(name, "sharkport_decode_kv_write", _KV_WRITE_ARGS,
+                                                               constants, shape.kv_heads))
+
+    Op.__name__ = name
+    return CustomOp.register(library=_LIBRARY)(Op)
 
 
 @functools.cache
 def attention_op(shape: AttentionShape):
     """The turbine op for decode attention of `shape` (one op per shape: its constants are in its
-    name): op(q [B, H*D], cache_state [P, page_elems], pages [B, blocks], seq_lens [B],
-    layer [2]) -> [B, H*D]."""
+    name): op(q [B, H*D] before rotary, cache_state [P, page_elems], pages [B, blocks],
+    seq_lens [B], layer [2], cos [B, R/2], sin [B, R/2]) -> [B, H*D]."""
 
     class Op(CustomOp):
-        signature = f"{shape.name}(Tensor q, Tensor cache, Tensor pages, Tensor lens, Tensor layer) -> (Tensor)"
+        signature = f"{shape.name}({', '.join(f'Tensor {arg}' for arg, _, _ in _ATTENTION_ARGS)}) -> (Tensor)"
 
         def select(self, ksel: KernelSelection):
             q = ksel.arg_tensor(0)
-            for i in range(1, 5):
+            for i in range(1, len(_ATTENTION_ARGS)):
                 ksel.arg_tensor(i)
             ksel.return_new_tensor(list(q.t.shape), torch.float32)
 
-        def eager_execute(self, q, cache, pages, lens, layer):
-            return _attention_eager(shape, q, cache, pages, lens, layer)
+        def eager_execute(self, *args):
+            return _attention_eager(shape, *args)
 
         def generate(self, ksel: KernelSelection, kb: KernelBuilder):
-            call_mlir_function(kb, shape.name, lambda: _attention_module(shape))
+            constants = _constants(shape, "H", "Hkv", "D", "L", "stride", "R", "interleaved", "scale")
+            call_mlir_function(kb, shape.name, lambda: _paged_module(
+                shape.name, "sharkport_decode_attention", _ATTENTION_ARGS, constants, shape.kv_heads))
 
     Op.__name__ = shape.name
     return CustomOp.register(library=_LIBRARY)(Op)

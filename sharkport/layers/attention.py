@@ -46,7 +46,8 @@ class PagedAttention(torch.nn.Module):
             return linear3(x, t["attn_q.weight"], t["attn_k.weight"], t["attn_v.weight"])
         return tuple(linear(x, t[f"attn_{p}.weight"], b) for p, b in zip("qkv", biases))
 
-    def _qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None):
+    def _qkv(self, x: torch.Tensor):
+        """q [B, S, H, D], k and v [B, S, Hkv, D] before rotary."""
         t, c = self.theta, self.config
         B, S, _ = x.shape
         q, k, v = self._project(x)
@@ -56,10 +57,14 @@ class PagedAttention(torch.nn.Module):
         if c.qk_norm_eps is not None:
             q = rms_norm(q, t["attn_q_norm.weight"], c.qk_norm_eps)
             k = rms_norm(k, t["attn_k_norm.weight"], c.qk_norm_eps)
+        return q, k, v
+
+    def _rotated(self, q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None):
         if rope is None:
-            return q, k, v
+            return q, k
         cos, sin = rope
-        return apply_rope(q, cos, sin, c.rope_layout), apply_rope(k, cos, sin, c.rope_layout), v
+        layout = self.config.rope_layout
+        return apply_rope(q, cos, sin, layout), apply_rope(k, cos, sin, layout)
 
     def _attend(self, q, k, v, mask) -> torch.Tensor:
         c = self.config
@@ -71,7 +76,8 @@ class PagedAttention(torch.nn.Module):
     def prefill(self, x: torch.Tensor, rope, cache_state: torch.Tensor,
                 seq_block_ids: torch.Tensor) -> torch.Tensor:
         """x [B, S, E] from position 0; attends causally to itself and fills the pages."""
-        q, k, v = self._qkv(x, rope)
+        q, k, v = self._qkv(x)
+        q, k = self._rotated(q, k, rope)
         self.cache.write_blocks(cache_state, self.layer, k, v, seq_block_ids)
         return self._attend(q, k, v, causal_mask(x.shape[1], q.dtype, q.device, self.config.window))
 
@@ -79,13 +85,14 @@ class PagedAttention(torch.nn.Module):
                start_positions: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """x [B, 1, E] at start_positions; attends to the cached positions < seq_lens (and within
         the window)."""
-        q, k, v = self._qkv(x, rope)
-        self.cache.write_positions(cache_state, self.layer, k, v, seq_block_ids, start_positions)
+        q, k, v = self._qkv(x)
         c = self.config
-        a = kernels.decode_attention(q, cache_state, self.cache, self.layer, seq_block_ids, seq_lens,
-                                     c.scale, c.window, c.logit_cap)
-        if a is not None:  # export --matvec-kernels: one dispatch reading the pages in place
+        a = kernels.decode_attention(q, k, v, cache_state, self.cache, self.layer, seq_block_ids, start_positions,
+                                     seq_lens, rope, c.rope_layout, c.scale, c.window, c.logit_cap)
+        if a is not None:  # export --matvec-kernels: rotary, the cache write and attention in one dispatch
             return self._output(a)
+        q, k = self._rotated(q, k, rope)
+        self.cache.write_positions(cache_state, self.layer, k, v, seq_block_ids, start_positions)
         k_all, v_all = self.cache.read(cache_state, self.layer, seq_block_ids, q.dtype)
         mask = length_mask(seq_lens, k_all.shape[1], q.dtype, self.config.window)
         return self._attend(q, k_all, v_all, mask)
