@@ -28,6 +28,10 @@
   T *restrict name, T *restrict name##_aligned, size_t name##_offset, size_t name##_size, size_t name##_stride
 #define BASE(name) (name##_aligned + name##_offset)  // MLIR: element i is at aligned + offset + i
 #define INLINE static inline __attribute__((always_inline))
+// Q8_0 weights are read PREFETCH bytes ahead (a line at a time): SmolLM2 Q8_0 decode through the
+// runner 7.40 -> 6.80 ms. (F16 took 5% longer, and the Q4 products are bound by their arithmetic.)
+#define PREFETCH 2048
+#define PREFETCH_LINE(p) _mm_prefetch((const char *)(p) + PREFETCH, _MM_HINT_T0)
 
 INLINE float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -160,6 +164,7 @@ INLINE __m256i nibbles(const uint8_t *p) {
   {                                                                                             \
     __m256i w, aw;                                                                              \
     if (kind == Q8_0) {                                                                         \
+      if (!((b) & 1)) PREFETCH_LINE((const int8_t *)qn + 32 * (b));                             \
       w = load32((const int8_t *)qn + 32 * (b));                                                \
       aw = _mm256_sign_epi8(w, w);                                                              \
     } else {                                                                                    \
