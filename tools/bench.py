@@ -19,7 +19,12 @@ them alike:
   weights as stored (the issue's target) and as float32 (what the `llvm-cpu` preset reads: it
   dequantizes and packs every weight once at load), and decode tokens/s as a share of each;
 - decode at batch 1 with 16 and 1024 pages allocated, positions 64 onwards (the first type only);
-- `transformers` eager decode (float32, its own KV cache) at batch 1, in the same rounds.
+- `transformers` eager decode (float32, its own KV cache) at batch 1, in the same rounds;
+- llama.cpp's decode (batch 1 and 4) and prefill of the same model at the same types, made by its own
+  quantizer, in the same rounds (tools/llamacpp_reference.py), when llama-cpp-python is installed
+  (`pip install -e '.[bench]'`, built from source: see that file); its OpenMP workers wait
+  passively between calls (OMP_WAIT_POLICY, unless set) so that they do not spin on the cores
+  the other subjects use next.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+import llamacpp_reference as llamacpp
 
 from sharkport.archive import Dataset, QuantizedTensor, import_gguf, save_dataset
 from sharkport.compile import compile_flags, compile_mlir
@@ -156,6 +163,17 @@ class Transformers:
         return timed(step)[1]
 
 
+def llamacpp_subjects(types: list[str], cache_dir: Path) -> tuple[dict[str, "llamacpp.Subject"], str]:
+    """llama.cpp loading each type's GGUF (made from the packaged Q4_1 by its quantizer), or none
+    with the reason."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+    try:
+        return {t: llamacpp.Subject(llamacpp.quantized_gguf(llamacpp.default_source(), t, cache_dir),
+                                    threads=os.cpu_count()) for t in types}, ""
+    except llamacpp.LlamaCppUnavailable as e:
+        return {}, str(e)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work-dir", type=Path, default=Path("artifacts/bench"))
@@ -166,6 +184,7 @@ def main() -> None:
                         help="reuse archives and modules already in --work-dir (export/compile not timed)")
     parser.add_argument("--no-matvec-kernels", action="store_true",
                         help="export without --matvec-kernels (decode then reads float32 weights)")
+    parser.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp reference")
     parser.add_argument("--markdown", type=Path, help="also write the table to this file")
     args = parser.parse_args()
     types = args.types.split(",")
@@ -196,14 +215,21 @@ def main() -> None:
 
     hf = Transformers()
     hf_times: list[float] = []
-    times = {(t, k): [] for t in types for k in ("prefill", 1, 4)}
+    llama, no_llama = ({}, "--no-llamacpp") if args.no_llamacpp else llamacpp_subjects(types, w / "llamacpp")
+    times = {(t, k): [] for t in types for k in ("prefill", 1, 4, "llama.cpp prefill", "llama.cpp", "llama.cpp bs4")}
     for _ in range(args.rounds):
         for t, s in subjects.items():
             times[t, "prefill"].append(s.prefill())
             for batch in (1, 4):
                 times[t, batch] += [s.decode(batch) for _ in range(4)]
         hf_times += [hf.decode() for _ in range(4)]
+        for t, s in llama.items():
+            times[t, "llama.cpp prefill"].append(s.prefill())
+            times[t, "llama.cpp"] += [s.decode(1) for _ in range(8)]
+            times[t, "llama.cpp bs4"] += [s.decode(4) for _ in range(8)]
     del hf
+    for s in llama.values():
+        s.close()
     hf_rate = 1 / statistics.median(hf_times)
     for t in types:
         d1 = 1 / statistics.median(times[t, 1])
@@ -214,6 +240,16 @@ def main() -> None:
         cols[t]["decode bs1 / limit (float32 weights)"] = f"{100 * d1 / f32_limits[t]:.0f}%"
         cols[t]["decode bs4, tokens/s"] = f"{d4:.1f}"
         cols[t]["decode bs4 / bs1"] = f"{d4 / d1:.2f}x"
+        if llama:
+            ref = 1 / statistics.median(times[t, "llama.cpp"])
+            cols[t]["llama.cpp decode bs1, tokens/s"] = f"{ref:.1f}"
+            cols[t]["llama.cpp decode bs1 / limit (stored weights)"] = f"{100 * ref / limits[t]:.0f}%"
+            cols[t]["compiled / llama.cpp decode bs1"] = f"{d1 / ref:.2f}x"
+            ref4 = 4 / statistics.median(times[t, "llama.cpp bs4"])
+            cols[t]["llama.cpp decode bs4, tokens/s"] = f"{ref4:.1f}"
+            cols[t]["llama.cpp decode bs4 / bs1"] = f"{ref4 / ref:.2f}x"
+            cols[t]["llama.cpp prefill bs1 (128 tokens), tokens/s"] = \
+                f"{PROMPT_LEN / statistics.median(times[t, 'llama.cpp prefill']):.0f}"
 
     # Page count: the same module with 16 and 1024 pages allocated, alternating.
     first = types[0]
@@ -242,6 +278,11 @@ def main() -> None:
     lines += [f"| {r} | " + " | ".join(cols[t].get(r, "–") for t in types) + " |" for r in rows]
     lines += ["", f"Decode bs1 ({first.upper()}) with 16 pages allocated: {t16:.1f} ms; with 1024 pages: "
                   f"{t1024:.1f} ms ({100 * (t1024 - t16) / t16:+.1f}%)."]
+    if no_llama:
+        lines += ["", f"No llama.cpp reference: {no_llama}."]
+    else:
+        lines += ["", "llama.cpp: llama-cpp-python " + llamacpp.version() + f", {os.cpu_count()} threads, the same weights quantized "
+                  "by its own quantizer (token_embd F16 / Q8_0 as sharkport's files)."]
     table = "\n".join(lines)
     print(table)
     if args.markdown:

@@ -18,12 +18,14 @@ upgrades), the tied token_embd to the target type for F16 and Q8_0 and to Q8_0 f
 like tools/bench.py's files (sharkport.tools.quantize).
 
 Measured like tools/bench.py, in interleaved rounds over all types: prefill tokens/s of a
-128-token prompt at batch 1 (one llama_decode of 128 tokens into an empty KV cache), and decode
-tokens/s at batch 1 as 1 / the median time of single-token llama_decode steps at positions 128
-onwards (each step computes the last token's logits, as bench.py's decode does).
-`llama_cpp.Llama` loads the model and context (n_ctx 512, threads for decode and batch alike,
-llama-cpp-python's default flash_attn=False unless --flash-attn); the steps call the C API
-directly, so no Python sampling or logits copying is timed.
+128-token prompt at batch 1 (one llama_decode of 128 tokens into an empty sequence), and decode
+tokens/s at batch 1 and 4 from the median time of llama_decode steps at positions 128 onwards
+(batch 4: one llama_decode of four sequences' next tokens, each after its own 128-token prompt;
+each step computes the last tokens' logits, as bench.py's decode does). The C API loads the
+model and one context of 5 sequences of 512 positions (one for prefill and batch 1, four for
+batch 4), threads for decode and batch alike, flash attention off unless --flash-attn (as
+llama-cpp-python's default); the steps call llama_decode directly, so no Python sampling or
+logits copying is timed.
 """
 
 from __future__ import annotations
@@ -65,6 +67,11 @@ def _types(llama_cpp) -> dict[str, tuple[int, int]]:
         "q4_1": (llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_1, llama_cpp.GGML_TYPE_Q8_0),
         "q4_0": (llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, llama_cpp.GGML_TYPE_Q8_0),
     }
+
+
+def version() -> str:
+    """The installed llama-cpp-python's version."""
+    return _llama_cpp().__version__
 
 
 def default_source() -> Path:
@@ -122,72 +129,110 @@ def _quiet():
 class Speed:
     decode_tokens_per_s: float
     prefill_tokens_per_s: float
+    decode_bs4_tokens_per_s: float
 
 
 class Subject:
-    """One GGUF loaded by llama.cpp: times a 128-token prefill and single-token decode steps."""
+    """One GGUF loaded by llama.cpp's C API: times a 128-token prefill, and decode steps of one
+    sequence (batch 1) or of four sequences together (batch 4, one llama_decode of 4 tokens)
+    after a 128-token prompt each. Sequence 0 serves prefill and batch 1, sequences 1..4 batch 4."""
+
+    BATCH = 4
 
     def __init__(self, gguf: Path, threads: int = 2, flash_attn: bool = False):
         llama_cpp = self.llama_cpp = _llama_cpp()
         if not Path(gguf).is_file():
             raise FileNotFoundError(f"{gguf}: no such GGUF file")
-        self.llm = llama_cpp.Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads,
-                                   n_ctx=N_CTX, flash_attn=flash_attn, verbose=False)
-        self.ctx = self.llm.ctx
+        llama_cpp.llama_backend_init()
+        with _quiet():
+            self.model = llama_cpp.llama_model_load_from_file(str(gguf).encode(),
+                                                              llama_cpp.llama_model_default_params())
+            if not self.model:
+                raise RuntimeError(f"{gguf}: llama.cpp could not load it")
+            params = llama_cpp.llama_context_default_params()
+            params.n_ctx, params.n_seq_max = (1 + self.BATCH) * N_CTX, 1 + self.BATCH
+            params.n_batch = params.n_ubatch = PROMPT_LEN * self.BATCH
+            params.n_threads = params.n_threads_batch = threads
+            params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
+                                      else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+            self.ctx = llama_cpp.llama_init_from_model(self.model, params)
+        if not self.ctx:
+            raise RuntimeError(f"{gguf}: llama.cpp could not make a context")
         self.memory = llama_cpp.llama_get_memory(self.ctx)
-        vocab = self.llm.n_vocab()
+        self.batch = llama_cpp.llama_batch_init(PROMPT_LEN * self.BATCH, 0, 1)
         import numpy as np
 
+        vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
         ids = np.random.default_rng(0).integers(0, vocab, PROMPT_LEN + N_CTX)
-        self.prompt = (llama_cpp.llama_token * PROMPT_LEN)(*ids[:PROMPT_LEN].tolist())
-        self.steps = [(llama_cpp.llama_token * 1)(int(t)) for t in ids[PROMPT_LEN:]]
-        self.position = None  # next decode position; None until a prompt is in the cache
+        self.prompt, self.steps = ids[:PROMPT_LEN].tolist(), ids[PROMPT_LEN:].tolist()
+        self.position: dict[int, int | None] = {1: None, self.BATCH: None}  # next decode position
 
-    def _decode(self, tokens, n: int) -> float:
-        batch = self.llama_cpp.llama_batch_get_one(tokens, n)
+    def _decode(self, entries) -> float:
+        """Seconds of one llama_decode of `entries` (token, position, sequence), the logits of
+        each sequence's last entry computed."""
+        b = self.batch
+        for i, (token, pos, seq) in enumerate(entries):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.seq_id[i][0] = int(token), pos, 1, seq
+            b.logits[i] = i + 1 == len(entries) or entries[i + 1][2] != seq
+        b.n_tokens = len(entries)
         t0 = time.perf_counter()
-        rc = self.llama_cpp.llama_decode(self.ctx, batch)
+        rc = self.llama_cpp.llama_decode(self.ctx, b)
         self.llama_cpp.llama_synchronize(self.ctx)
         t = time.perf_counter() - t0
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc}")
         return t
 
-    def prefill(self) -> float:
-        """Seconds to prefill the 128-token prompt into an empty cache (decode restarts at 128)."""
-        self.llama_cpp.llama_memory_clear(self.memory, True)
-        t = self._decode(self.prompt, PROMPT_LEN)
-        self.position = PROMPT_LEN
+    def _sequences(self, batch: int) -> range:
+        return range(0, 1) if batch == 1 else range(1, 1 + self.BATCH)
+
+    def _fill(self, batch: int) -> float:
+        """Writes the prompt of the sequences `batch` decodes (emptied first); its seconds."""
+        seqs = self._sequences(batch)
+        for seq in seqs:
+            self.llama_cpp.llama_memory_seq_rm(self.memory, seq, -1, -1)
+        t = self._decode([(tok, pos, seq) for seq in seqs for pos, tok in enumerate(self.prompt)])
+        self.position[batch] = PROMPT_LEN
         return t
 
-    def decode(self) -> float:
-        """Seconds of one single-token step at the next position (re-prefills when n_ctx is full)."""
-        if self.position is None or self.position >= N_CTX:
-            self.prefill()
-        t = self._decode(self.steps[self.position - PROMPT_LEN], 1)
-        self.position += 1
+    def prefill(self) -> float:
+        """Seconds to prefill the 128-token prompt into an empty sequence (batch 1 restarts at 128)."""
+        return self._fill(1)
+
+    def decode(self, batch: int = 1) -> float:
+        """Seconds of one step of `batch` (1 or 4) sequences at their next position (their prompt
+        is written again when the context is full)."""
+        if self.position[batch] is None or self.position[batch] >= N_CTX:
+            self._fill(batch)
+        pos = self.position[batch]
+        t = self._decode([(self.steps[pos - PROMPT_LEN], pos, seq) for seq in self._sequences(batch)])
+        self.position[batch] += 1
         return t
 
     def close(self) -> None:
-        self.llm.close()
+        self.llama_cpp.llama_batch_free(self.batch)
+        self.llama_cpp.llama_free(self.ctx)
+        self.llama_cpp.llama_model_free(self.model)
 
 
 def measure(ggufs: dict[str, Path], threads: int = 2, rounds: int = 6, steps: int = 16,
             flash_attn: bool = False) -> dict[str, Speed]:
     """Prefill and decode speed of each GGUF, measured in `rounds` interleaved rounds (each: one
-    prefill, then `steps` decode steps from position 128), after one warm-up round."""
+    prefill, then `steps` decode steps from position 128 at batch 1 and at batch 4), after one
+    warm-up round."""
     subjects = {name: Subject(path, threads, flash_attn) for name, path in ggufs.items()}
     try:
-        prefill = {name: [] for name in subjects}
-        decode = {name: [] for name in subjects}
+        times = {(name, k): [] for name in subjects for k in ("prefill", 1, 4)}
         for r in range(rounds + 1):
             for name, s in subjects.items():
                 p = s.prefill()
-                d = [s.decode() for _ in range(steps)]
+                d = {batch: [s.decode(batch) for _ in range(steps)] for batch in (1, 4)}
                 if r:  # round 0 warms up
-                    prefill[name].append(p)
-                    decode[name] += d
-        return {name: Speed(1 / statistics.median(decode[name]), PROMPT_LEN / statistics.median(prefill[name]))
+                    times[name, "prefill"].append(p)
+                    times[name, 1] += d[1]
+                    times[name, 4] += d[4]
+        return {name: Speed(1 / statistics.median(times[name, 1]), PROMPT_LEN / statistics.median(times[name, "prefill"]),
+                            4 / statistics.median(times[name, 4]))
                 for name in subjects}
     finally:
         for s in subjects.values():
@@ -240,6 +285,11 @@ def main(argv: list[str] | None = None) -> int:
              "| GGUF size, MB | " + " | ".join(f"{mb[t]:.1f}" for t in types) + " |",
              "| llama.cpp decode bs1, tokens/s | "
              + " | ".join(f"{speeds[t].decode_tokens_per_s:.1f}" for t in types) + " |",
+             "| llama.cpp decode bs4, tokens/s | "
+             + " | ".join(f"{speeds[t].decode_bs4_tokens_per_s:.1f}" for t in types) + " |",
+             "| llama.cpp decode bs4 / bs1 | "
+             + " | ".join(f"{speeds[t].decode_bs4_tokens_per_s / speeds[t].decode_tokens_per_s:.2f}x"
+                          for t in types) + " |",
              "| llama.cpp prefill bs1 (128 tokens), tokens/s | "
              + " | ".join(f"{speeds[t].prefill_tokens_per_s:.0f}" for t in types) + " |"]
     table = "\n".join(lines)
