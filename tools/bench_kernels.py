@@ -1,0 +1,88 @@
+#!/usr/bin/env python
+"""Throughput of the matvec kernels outside IREE, with the weights in the caches and read from
+memory: what bounds decode's products on this machine (issue 6).
+
+    python tools/bench_kernels.py [--types q4_1,q8_0,f16] [--markdown out.md]
+
+Builds tools/matvec_harness.c with sharkport/kernels/matvec.c (the kernels' own CFLAGS) and times
+SmolLM2's feed-forward products (gate/up 1536x576, down 576x1536) at 1 and 4 rows of x, on 1 and
+2 threads (each product's workgroups shared among the threads as IREE's workers share them, with
+a barrier after each product): once with one copy of the weights (it stays in the caches), once
+with enough copies to pass the L3 (read from memory). A product that runs as fast from memory as
+from the caches is bound by its arithmetic; one much faster in the caches is bound by memory.
+The machine's read bandwidth (tools/read_bandwidth.c) is printed alongside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+TOOLS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TOOLS.parent))
+
+from sharkport.kernels import CFLAGS, SOURCE  # noqa: E402
+
+SHAPES = {"gate/up 1536x576": (1536, 576), "down 576x1536": (576, 1536)}
+BYTES_PER_WEIGHT = {"q4_1": 20 / 32, "q8_0": 34 / 32, "f16": 2.0}
+MEMORY_BYTES = 128e6  # copies of the weights that far exceed the L3
+
+
+def build(work: Path) -> Path:
+    cc = shutil.which(os.environ.get("CC", "cc"))
+    if cc is None:
+        raise SystemExit("bench_kernels: no C compiler ($CC or cc) on PATH; install gcc or clang")
+    obj, exe = work / "matvec.o", work / "matvec_harness"
+    subprocess.run([cc, *CFLAGS, "-c", str(SOURCE), "-o", str(obj)], check=True)
+    subprocess.run([cc, "-O2", "-pthread", str(TOOLS / "matvec_harness.c"), str(obj), "-o", str(exe)], check=True)
+    return exe
+
+
+def run(exe: Path, type_name: str, rows: int, n: int, k: int, copies: int, threads: int, reps: int) -> float:
+    """GB/s of weights read by the product (best of the harness's 5 trials)."""
+    out = subprocess.run([str(exe), type_name, str(rows), str(n), str(k), str(copies), str(threads), str(reps)],
+                         check=True, capture_output=True, text=True).stdout.split()
+    return float(out[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--types", default="q4_1,q8_0,f16", help="comma-separated (default q4_1,q8_0,f16)")
+    parser.add_argument("--markdown", type=Path, help="also write the table to this file")
+    args = parser.parse_args()
+    types = [t.strip().lower() for t in args.types.split(",") if t.strip()]
+    bad = [t for t in types if t not in BYTES_PER_WEIGHT]
+    if bad or not types:
+        parser.error(f"--types: unknown {', '.join(bad) or '(none)'}; choose from {', '.join(BYTES_PER_WEIGHT)}")
+    from bench import read_bandwidth
+
+    bandwidth, probe = read_bandwidth()
+    lines = [f"{os.cpu_count()} CPUs; read bandwidth {bandwidth / 1e9:.1f} GB/s ({probe}); GB/s of weights as stored",
+             "", "| type | product | rows of x | threads | in the caches | from memory | memory / caches |",
+             "|---|---|---|---|---|---|---|"]
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = build(Path(tmp))
+        for t in types:
+            for name, (n, k) in SHAPES.items():
+                size = n * k * BYTES_PER_WEIGHT[t]
+                copies = int(MEMORY_BYTES / size) + 1
+                for rows in (1, 4):
+                    for threads in (1, 2):
+                        cached = run(exe, t, rows, n, k, 1, threads, max(20, int(2e9 / size / rows)))
+                        memory = run(exe, t, rows, n, k, copies, threads, 2)
+                        lines.append(f"| {t.upper()} | {name} | {rows} | {threads} | {cached:.1f} | {memory:.1f} | "
+                                     f"{memory / cached:.2f} |")
+                        print(lines[-1], file=sys.stderr, flush=True)  # progress
+    table = "\n".join(lines)
+    print(table)
+    if args.markdown:
+        args.markdown.write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+// Times sharkport/kernels/matvec.c's products outside IREE (tools/bench_kernels.py builds and runs
+// it): y = x w^T for M rows of x and N x K weights of one type, `copies` distinct copies of w
+// multiplied in turn (1: w stays in the caches; enough to pass the L3: read from memory), the
+// workgroups of each product shared among T threads as IREE's workers share them (a barrier after
+// each product). Prints the best of 5 trials: microseconds a product and GB/s of weights read.
+//
+//   matvec_harness TYPE M N K COPIES THREADS REPS     (TYPE: q4_1, q8_0 or f16)
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+// A memref argument: (base, aligned, offset, size, stride).
+#define MEMREF(T) T *, T *, size_t, size_t, size_t
+#define ARG(p) (p), (p), (size_t)0, (size_t)1, (size_t)1
+void sharkport_matvec_q4_1(MEMREF(const float), MEMREF(const uint8_t), MEMREF(const uint16_t),
+                           MEMREF(const uint16_t), MEMREF(float), size_t, size_t, size_t, size_t, size_t);
+void sharkport_matvec_q8_0(MEMREF(const float), MEMREF(const int8_t), MEMREF(const uint16_t), MEMREF(float),
+                           size_t, size_t, size_t, size_t, size_t);
+void sharkport_matvec_f16(MEMREF(const float), MEMREF(const uint16_t), MEMREF(float), size_t, size_t, size_t,
+                          size_t, size_t);
+
+enum { Q4_1, Q8_0, F16 };
+typedef struct {
+  int type, thread, threads, reps;
+  size_t M, N, K, rows, workgroups, copies;
+  uint8_t **qs;
+  uint16_t **d, **m;
+  float *x, *y;
+} job;
+
+static pthread_barrier_t barrier;
+
+static void product(const job *j, size_t c) {
+  for (size_t wg = j->thread; wg < j->workgroups; wg += j->threads) {
+    if (j->type == Q4_1)
+      sharkport_matvec_q4_1(ARG(j->x), ARG(j->qs[c]), ARG(j->d[c]), ARG(j->m[c]), ARG(j->y), j->M, j->N, j->K,
+                            j->rows, wg);
+    else if (j->type == Q8_0)
+      sharkport_matvec_q8_0(ARG(j->x), ARG((const int8_t *)j->qs[c]), ARG(j->d[c]), ARG(j->y), j->M, j->N, j->K,
+                            j->rows, wg);
+    else
+      sharkport_matvec_f16(ARG(j->x), ARG((const uint16_t *)j->qs[c]), ARG(j->y), j->M, j->N, j->K, j->rows, wg);
+  }
+}
+
+static void *worker(void *arg) {
+  const job *j = arg;
+  for (int r = 0; r < j->reps; ++r)
+    for (size_t c = 0; c < j->copies; ++c) {
+      product(j, c);
+      pthread_barrier_wait(&barrier);
+    }
+  return 0;
+}
+
+static double now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+int main(int argc, char **argv) {
+  if (argc != 8) {
+    fprintf(stderr, "usage: %s TYPE M N K COPIES THREADS REPS\n", argv[0]);
+    return 2;
+  }
+  int type = !strcmp(argv[1], "q4_1") ? Q4_1 : !strcmp(argv[1], "q8_0") ? Q8_0 : !strcmp(argv[1], "f16") ? F16 : -1;
+  size_t M = atol(argv[2]), N = atol(argv[3]), K = atol(argv[4]), copies = atol(argv[5]);
+  int threads = atoi(argv[6]), reps = atoi(argv[7]);
+  if (type < 0 || !M || M > 8 || !N || !K || K % 32 || !copies || threads < 1 || threads > 64 || reps < 1) {
+    fprintf(stderr, "%s: bad arguments\n", argv[0]);
+    return 2;
+  }
+  // as sharkport.kernels.ops: min(256, 32 ceil(N / 256)) outputs a workgroup
+  size_t rows = 32 * ((N + 255) / 256), B = K / 32;
+  rows = rows < 256 ? rows : 256;
+  size_t qbytes = type == Q4_1 ? N * K / 2 : type == Q8_0 ? N * K : 2 * N * K;
+  size_t plane_bytes = type == F16 ? 0 : 2 * N * B;  // each of d (and m)
+  uint8_t **qs = calloc(copies, sizeof *qs);
+  uint16_t **d = calloc(copies, sizeof *d), **m = calloc(copies, sizeof *m);
+  srand(1);
+  for (size_t c = 0; c < copies; ++c) {
+    qs[c] = malloc(qbytes);
+    d[c] = malloc(plane_bytes + 2);
+    m[c] = malloc(plane_bytes + 2);
+    if (type == F16)
+      for (size_t i = 0; i < N * K; ++i) ((uint16_t *)qs[c])[i] = 0x3000 | (rand() & 0x83ff);  // |w| in [0.125, 0.25)
+    else
+      for (size_t i = 0; i < qbytes; ++i) qs[c][i] = rand();
+    for (size_t i = 0; i < plane_bytes / 2; ++i) d[c][i] = 0x2000 | (rand() & 0xff), m[c][i] = 0xa000 | (rand() & 0xff);
+  }
+  float *x = malloc(M * K * sizeof *x), *y = malloc(M * N * sizeof *y);
+  for (size_t i = 0; i < M * K; ++i) x[i] = (rand() % 2001 - 1000) / 1000.0f;
+  double best = 1e30;
+  for (int trial = 0; trial < 5; ++trial) {
+    pthread_t t[64];
+    job jobs[64];
+    pthread_barrier_init(&barrier, 0, threads);
+    double t0 = now();
+    for (int i = 0; i < threads; ++i) {
+      jobs[i] = (job){type, i, threads, reps, M, N, K, rows, (N + rows - 1) / rows, copies, qs, d, m, x, y};
+      pthread_create(&t[i], 0, worker, &jobs[i]);
+    }
+    for (int i = 0; i < threads; ++i) pthread_join(t[i], 0);
+    double seconds = (now() - t0) / ((double)reps * copies);
+    best = seconds < best ? seconds : best;
+    pthread_barrier_destroy(&barrier);
+  }
+  double bytes = qbytes + plane_bytes * (type == Q4_1 ? 2 : type == Q8_0 ? 1 : 0);
+  printf("%.2f %.3f\n", best * 1e6, bytes / best / 1e9);
+  return 0;
+}
