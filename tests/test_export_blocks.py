@@ -10,7 +10,6 @@ default path), and test_kernels.py / test_quant_compiled.py check quantized ones
 from __future__ import annotations
 
 import re
-import time
 from dataclasses import replace
 
 import numpy as np
@@ -19,7 +18,7 @@ import pytest
 from sharkport.archive import Dataset
 from sharkport.export.abi import DECODE_ARGS
 from sharkport.runtime.session import IreeSession
-from tiny_models import TINY_EXPORT
+from tiny_models import TINY_EXPORT, decode_ms
 
 VARIANT = "gqa-untied"
 PAGES = TINY_EXPORT.device_block_count
@@ -87,21 +86,10 @@ def test_same_logits_and_cache_as_unrolled(compiled_of, unrolled):
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-6, err_msg=f"output {i}")
 
 
-def _decode_ms(module, pages: int, calls: int = 30) -> float:
-    session = IreeSession(*module, pages=pages)
-    tokens, lengths, ids = np.zeros((4, 1), np.int64), np.full(4, 20, np.int64), np.arange(8).reshape(4, 2)
-    times = []
-    for _ in range(calls + 3):
-        t0 = time.perf_counter()
-        session.decode(tokens, lengths, lengths - 1, ids)
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times[3:])) * 1e3
-
-
 def test_decode_writes_the_cache_in_place(compiled_of):
     """A decode step costs the same with 16 pages as with 65536 (268 MB of cache): a copy of the
     cache_state argument (block calls thread it through as a value) would cost tens of ms."""
     assert DECODE_ARGS[-1] == "cache_state"
     module = compiled_of(VARIANT)
-    small, large = _decode_ms(module, 16), _decode_ms(module, 65536)
+    small, large = decode_ms(module, 16), decode_ms(module, 65536)
     assert large < 3 * small + 1.0, (small, large)

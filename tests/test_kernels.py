@@ -12,7 +12,6 @@ import dataclasses
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -23,7 +22,7 @@ from sharkport import kernels, ops
 from sharkport.archive.tensors import QuantizedTensor, weight_from_raw
 from sharkport.quant.quantize import quantize_array
 from run_cli import run
-from tiny_models import TINY_EXPORT
+from tiny_models import TINY_EXPORT, decode_ms
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -321,21 +320,8 @@ def test_kernel_decode_writes_the_cache_in_place(kernel_module):
     """A decode step through the kernels costs the same with 16 pages as with 65536 (268 MB of
     cache): IREE copying the cache_state argument in and out of each call (as it does when the
     kernels' in-place write is not recognised as such) would cost tens of ms."""
-    from sharkport.runtime.session import IreeSession
-
     vmfb, irpa, config_json, _ = kernel_module("q8_0")
-
-    def decode_ms(pages: int, calls: int = 30) -> float:
-        session = IreeSession(vmfb, irpa, config_json, pages=pages)
-        tokens, lengths, ids = np.zeros((4, 1), np.int64), np.full(4, 20, np.int64), np.arange(8).reshape(4, 2)
-        times = []
-        for _ in range(calls + 3):
-            t0 = time.perf_counter()
-            session.decode(tokens, lengths, lengths - 1, ids)
-            times.append(time.perf_counter() - t0)
-        return float(np.median(times[3:])) * 1e3
-
-    small, large = decode_ms(16), decode_ms(65536)
+    small, large = (decode_ms((vmfb, irpa, config_json), pages) for pages in (16, 65536))
     assert large < 3 * small + 1.0, (small, large)
 
 

@@ -174,6 +174,14 @@ def llamacpp_subjects(types: list[str], cache_dir: Path) -> tuple[dict[str, "lla
         return {}, str(e)
 
 
+def emit(lines: list[str], markdown: Path | None) -> None:
+    """Prints the table (and writes it to `markdown` when given)."""
+    table = "\n".join(lines)
+    print(table)
+    if markdown:
+        markdown.write_text(table + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work-dir", type=Path, default=Path("artifacts/bench"))
@@ -283,10 +291,7 @@ def main() -> None:
     else:
         lines += ["", "llama.cpp: llama-cpp-python " + llamacpp.version() + f", {os.cpu_count()} threads, the same weights quantized "
                   "by its own quantizer (token_embd F16 / Q8_0 as sharkport's files)."]
-    table = "\n".join(lines)
-    print(table)
-    if args.markdown:
-        args.markdown.write_text(table + "\n")
+    emit(lines, args.markdown)
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ def main() -> None:
     bad = [t for t in types if t not in BYTES_PER_WEIGHT]
     if bad or not types:
         parser.error(f"--types: unknown {', '.join(bad) or '(none)'}; choose from {', '.join(BYTES_PER_WEIGHT)}")
-    from bench import read_bandwidth
+    from bench import emit, read_bandwidth
 
     bandwidth, probe = read_bandwidth()
     lines = [f"{os.cpu_count()} CPUs; read bandwidth {bandwidth / 1e9:.1f} GB/s ({probe}); GB/s of weights as stored",
@@ -78,10 +78,7 @@ def main() -> None:
                         lines.append(f"| {t.upper()} | {name} | {rows} | {threads} | {cached:.1f} | {memory:.1f} | "
                                      f"{memory / cached:.2f} |")
                         print(lines[-1], file=sys.stderr, flush=True)  # progress
-    table = "\n".join(lines)
-    print(table)
-    if args.markdown:
-        args.markdown.write_text(table + "\n")
+    emit(lines, args.markdown)
 
 
 if __name__ == "__main__":
