@@ -14,9 +14,9 @@ all modules are loaded together and measured in interleaved rounds, so a busy ma
 them alike:
 - prefill tokens/s of a 128-token prompt at batch 1;
 - decode tokens/s at batch 1 and 4 (medians over the rounds' calls, positions 128 onwards);
-- the decode bandwidth limit: measured read bandwidth ÷ bytes of weights read per token (every
-  matrix once; with tied embeddings the output projection reads token_embd whole), for the
-  weights as stored (the issue's target) and as float32 (what the `llvm-cpu` preset reads: it
+- the decode bandwidth limit: read bandwidth (measured once in every round; the median) ÷ bytes
+  of weights read per token (every matrix once; with tied embeddings the output projection reads
+  token_embd whole), for the weights as stored (the issue's target) and as float32 (what the `llvm-cpu` preset reads: it
   dequantizes and packs every weight once at load), and decode tokens/s as a share of each;
 - decode at batch 1 with 16 and 1024 pages allocated, positions 64 onwards (the first type only);
 - `transformers` eager decode (float32, its own KV cache) at batch 1, in the same rounds;
@@ -67,27 +67,40 @@ def timed(fn):
     return result, time.perf_counter() - t0
 
 
+class BandwidthProbe:
+    """The machine's read bandwidth in bytes/s, measured on each call: tools/read_bandwidth.c built
+    once by the system C compiler, a thread per CPU summing 512 MiB (far beyond the caches), best
+    of 10; without a C compiler, the best of 1- and 2-thread torch sums (about 10% lower here: its
+    reduction is not purely memory-bound). `how` says which."""
+
+    def __init__(self):
+        cc = shutil.which(os.environ.get("CC", "cc"))
+        self._tmp = tempfile.TemporaryDirectory() if cc else None
+        self.exe = None
+        if cc:
+            self.exe = Path(self._tmp.name) / "read_bandwidth"
+            subprocess.run([cc, "-O2", "-march=native", "-pthread", str(Path(__file__).with_name("read_bandwidth.c")),
+                            "-o", str(self.exe)], check=True)
+        self.how = "tools/read_bandwidth.c, a thread per CPU" if cc else "torch sum (no C compiler)"
+
+    def __call__(self) -> float:
+        if self.exe:
+            return float(subprocess.run([str(self.exe)], check=True, capture_output=True, text=True).stdout)
+        a = torch.ones(128 * 1024 * 1024, dtype=torch.float32)
+        threads, best = torch.get_num_threads(), 0.0
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            a.sum()
+            times = [timed(a.sum)[1] for _ in range(7)]
+            best = max(best, a.numel() * 4 / statistics.median(times))
+        torch.set_num_threads(threads)
+        return best
+
+
 def read_bandwidth() -> tuple[float, str]:
-    """(bytes/s, how measured): tools/read_bandwidth.c built by the system C compiler, a thread
-    per CPU summing 512 MiB (far beyond the caches), best of 10; without a C compiler, the best of
-    1- and 2-thread torch sums (about 10% lower here: its reduction is not purely memory-bound)."""
-    source = Path(__file__).with_name("read_bandwidth.c")
-    cc = shutil.which(os.environ.get("CC", "cc"))
-    if cc:
-        with tempfile.TemporaryDirectory() as tmp:
-            exe = Path(tmp) / "read_bandwidth"
-            subprocess.run([cc, "-O2", "-march=native", "-pthread", str(source), "-o", str(exe)], check=True)
-            return float(subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout), \
-                "tools/read_bandwidth.c, a thread per CPU"
-    a = torch.ones(128 * 1024 * 1024, dtype=torch.float32)
-    threads, best = torch.get_num_threads(), 0.0
-    for n in (1, 2):
-        torch.set_num_threads(n)
-        a.sum()
-        times = [timed(a.sum)[1] for _ in range(7)]
-        best = max(best, a.numel() * 4 / statistics.median(times))
-    torch.set_num_threads(threads)
-    return best, "torch sum (no C compiler)"
+    """(bytes/s, how measured): one BandwidthProbe measurement."""
+    probe = BandwidthProbe()
+    return probe(), probe.how
 
 
 def weight_bytes(dataset: Dataset) -> tuple[int, int]:
@@ -202,9 +215,8 @@ def main() -> None:
 
     cols: dict[str, dict[str, str]] = {t: {} for t in types}
     subjects: dict[str, Subject] = {}
-    limits: dict[str, float] = {}
-    f32_limits: dict[str, float] = {}
-    bandwidth, probe = read_bandwidth()
+    weights: dict[str, tuple[int, int]] = {}
+    probe = BandwidthProbe()
     for t in types:
         irpa, mlir, cfg, vmfb = (w / f"smollm2-{t}.{e}" for e in ("irpa", "mlir", "json", "vmfb"))
         if not (args.reuse and irpa.exists()):
@@ -214,18 +226,16 @@ def main() -> None:
             save_export(output, service, mlir, cfg)
             cols[t]["export prefill+decode bs 1,4, s"] = f"{secs:.0f}"
             cols[t]["compile, s"] = f"{timed(lambda: compile_mlir(mlir, vmfb, args.target))[1]:.0f}"
-        stored, as_f32 = weight_bytes(Dataset.load(irpa))
-        limits[t], f32_limits[t] = bandwidth / stored, bandwidth / as_f32
-        cols[t]["weights per token as stored, MB"] = f"{stored / 1e6:.1f}"
-        cols[t]["bandwidth limit (stored weights), tokens/s"] = f"{limits[t]:.0f}"
-        cols[t]["bandwidth limit (float32 weights), tokens/s"] = f"{f32_limits[t]:.0f}"
+        weights[t] = weight_bytes(Dataset.load(irpa))
         subjects[t] = Subject(vmfb, irpa, cfg)
 
     hf = Transformers()
     hf_times: list[float] = []
     llama, no_llama = ({}, "--no-llamacpp") if args.no_llamacpp else llamacpp_subjects(types, w / "llamacpp")
     times = {(t, k): [] for t in types for k in ("prefill", 1, 4, "llama.cpp prefill", "llama.cpp", "llama.cpp bs4")}
+    bandwidths: list[float] = []
     for _ in range(args.rounds):
+        bandwidths.append(probe())  # in every round, as memory traffic from other tenants varies
         for t, s in subjects.items():
             times[t, "prefill"].append(s.prefill())
             for batch in (1, 4):
@@ -239,7 +249,13 @@ def main() -> None:
     for s in llama.values():
         s.close()
     hf_rate = 1 / statistics.median(hf_times)
+    bandwidth = statistics.median(bandwidths)
+    limits = {t: bandwidth / stored for t, (stored, _) in weights.items()}
+    f32_limits = {t: bandwidth / as_f32 for t, (_, as_f32) in weights.items()}
     for t in types:
+        cols[t]["weights per token as stored, MB"] = f"{weights[t][0] / 1e6:.1f}"
+        cols[t]["bandwidth limit (stored weights), tokens/s"] = f"{limits[t]:.0f}"
+        cols[t]["bandwidth limit (float32 weights), tokens/s"] = f"{f32_limits[t]:.0f}"
         d1 = 1 / statistics.median(times[t, 1])
         d4 = 4 / statistics.median(times[t, 4])
         cols[t]["prefill bs1 (128 tokens), tokens/s"] = f"{PROMPT_LEN / statistics.median(times[t, 'prefill']):.0f}"
@@ -278,7 +294,8 @@ def main() -> None:
 
     rows = list(dict.fromkeys(k for c in cols.values() for k in c))
     header = (f"SmolLM2-135M-Instruct, {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
-              f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({probe}); matvec kernels {'on' if export.matvec_kernels else 'off'}; "
+              f"read bandwidth {bandwidth / 1e9:.1f} GB/s (median of one probe a round, {min(bandwidths) / 1e9:.1f} to "
+              f"{max(bandwidths) / 1e9:.1f}; {probe.how}); matvec kernels {'on' if export.matvec_kernels else 'off'}; "
               f"compile preset {args.target}: "
               f"{' '.join(compile_flags(args.target))}")
     lines = [header, "", "| measure | " + " | ".join(t.upper() for t in types) + " |",
