@@ -2,7 +2,8 @@
 
 `matvec.c` computes x [M, K] @ w[N, K].T for a few rows M reading w as stored: Q8_0, Q4_0 and
 Q4_1 planes or float16; also q, k, v of one x in one dispatch (`matvec_qkv`), SwiGLU's
-silu(x gate^T) * (x up^T) (`swiglu`), and attention over the paged cache (`decode_attention`).
+silu(x gate^T) * (x up^T) (`swiglu`), and decode attention over the paged cache with rotary and
+the new position's cache write (`decode_attention`).
 With quantized weights it multiplies 8-bit integers, as llama.cpp does on CPUs: x is quantized
 per block of 32 values as gguf's Q8_0 quantizer does, so the product is that of the dequantized
 weights with the Q8_0-dequantized x (`quantized_x`), about 1e-3 relative from the float32

@@ -391,8 +391,8 @@ DEFINE_KERNELS(F16, f16)
 //
 // One new position per sequence: sharkport_decode_kv_write rotates its k and writes k and v
 // into the cache (in place), then sharkport_decode_attention attends with its rotated query to
-// the positions [0, len) of its pages. (In one dispatch, IREE 3.9 copies the whole cache in and
-// out: a dispatch with a new result and one tied to an operand is given one new allocation.)
+// the positions [0, len) of its pages. Two dispatches, so that each has one result: the write's
+// is the cache, tied to its operand; the attention's a new tensor.
 // The cache is sharkport.layers.PagedCache's flat float32 [pages, L, 2 (K, V), stride, Hkv, D].
 // Each workgroup takes one (sequence, kv head): the write, its slot of the new position; the
 // attention, its G query heads, so that K and V are read once, walking the sequence a page at a

@@ -210,19 +210,20 @@ _ATTENTION_ARGS = (("q", "f32", 2), ("cache", "f32", 2), ("pages", "i64", 2), ("
                    ("layer", "i64", 1), ("cos", "f32", 2), ("sin", "f32", 2))
 
 
-def _paged_module(name: str, c_name: str, args, constants: list[tuple[str, str]], kv_heads: int) -> str:
+def _paged_module(name: str, c_name: str, args, constants: list[tuple[str, str]], kv_heads: int,
+                  in_place: bool) -> str:
     """MLIR module text of util.func `name` over tensor operands `args` (see _ATTENTION_ARGS),
     dispatching C function `c_name` over B * kv_heads workgroups (B: the first operand's rows).
-    The C function takes each operand's memref, then the pages' columns (blocks), the
-    `constants` (MLIR value, type) and the workgroup id. Its result is the cache updated in place
-    when an operand is named "cache" and none is named "q", else a new tensor shaped as q."""
+    The C function takes each operand's memref (and the result's, unless `in_place`), then the
+    pages' columns (blocks), the `constants` (MLIR value, type) and the workgroup id. Its result
+    is the "cache" operand updated in place when `in_place`, else a new tensor shaped as the first
+    operand."""
     n = len(args)
     names = [a for a, _, _ in args]
-    in_place = "q" not in names
     types = [f"tensor<{'?x' * rank}{e}>" for _, e, rank in args]
     elements = [e for _, e, _ in args] + ([] if in_place else ["f32"])
     memrefs = ", ".join(_memref(e) for e in elements)
-    subspans = "\n".join(  # the result (attention) has q's size
+    subspans = "\n".join(  # a new result has the first operand's size
         f"        %s{i} = stream.binding.subspan %b{i}[%c0] : !stream.binding -> {_memref(e)}{{%n{i if i < n else 0}}}"
         for i, e in enumerate(elements))
     dims = [[f"%a{i}d{j}" for j in range(rank)] for i, (_, _, rank) in enumerate(args)]
@@ -280,14 +281,14 @@ module {{
 
 
 def _constants(shape: AttentionShape, *names: str) -> list[tuple[str, str]]:
-    """The C function's constant arguments `names` of `shape`, as (MLIR value, type)."""
-    values = {"H": shape.heads, "Hkv": shape.kv_heads, "D": shape.head_dim, "L": shape.layers,
-              "stride": shape.stride, "R": shape.rope_dim, "interleaved": int(shape.rope_layout == "interleaved")}
-    out = [(str(values[n]), "index") for n in names if n != "scale"]
-    return out + ([(f"0x{shape.scale_bits:08X}", "f32")] if "scale" in names else [])
+    """The C function's constant arguments `names` of `shape`, in order, as (MLIR value, type)."""
+    sizes = {"H": shape.heads, "Hkv": shape.kv_heads, "D": shape.head_dim, "L": shape.layers,
+             "stride": shape.stride, "R": shape.rope_dim, "interleaved": int(shape.rope_layout == "interleaved")}
+    return [(f"0x{shape.scale_bits:08X}", "f32") if n == "scale" else (str(sizes[n]), "index") for n in names]
 
 
 def _rotated(shape: AttentionShape, x, cos, sin, heads: int):
+    """x [B, heads * D] as [B, 1, heads, D], rotated as ops.apply_rope (unless shape has no rotary)."""
     from ..ops import apply_rope
 
     B = x.shape[0]
@@ -340,7 +341,7 @@ def kv_write_op(shape: AttentionShape):
         def generate(self, ksel: KernelSelection, kb: KernelBuilder):
             constants = _constants(shape, "Hkv", "D", "L", "stride", "R", "interleaved")
             call_mlir_function(kb, name, lambda: _paged_module(name, "sharkport_decode_kv_write", _KV_WRITE_ARGS,
-                                                               constants, shape.kv_heads))
+                                                               constants, shape.kv_heads, in_place=True))
 
     Op.__name__ = name
     return CustomOp.register(library=_LIBRARY)(Op)
@@ -367,7 +368,7 @@ def attention_op(shape: AttentionShape):
         def generate(self, ksel: KernelSelection, kb: KernelBuilder):
             constants = _constants(shape, "H", "Hkv", "D", "L", "stride", "R", "interleaved", "scale")
             call_mlir_function(kb, shape.name, lambda: _paged_module(
-                shape.name, "sharkport_decode_attention", _ATTENTION_ARGS, constants, shape.kv_heads))
+                shape.name, "sharkport_decode_attention", _ATTENTION_ARGS, constants, shape.kv_heads, in_place=False))
 
     Op.__name__ = shape.name
     return CustomOp.register(library=_LIBRARY)(Op)

@@ -85,7 +85,7 @@ def tune_local_task(rt) -> None:
       Q4_1 with --matvec-kernels: prefill of 128 tokens 428 -> 760 tokens/s, decode bs1 36 -> 59
       tokens/s (docs/performance.md);
     - workers spin SPIN_US microseconds for the next dispatch before sleeping
-      (--task_worker_spin_us; IREE's default 0 puts them to sleep between a decode step's ~500
+      (--task_worker_spin_us; IREE's default 0 puts them to sleep between a decode step's ~365
       dependent dispatches, and waking them costs more than the spin): SmolLM2 Q4_1 decode bs1
       7.5 -> 6.7 ms on a quiet machine. SHARKPORT_IREE_SPIN_US sets another value (0: none).
     Set IREE's own --task_* flags (`iree.runtime.flags.parse_flags`) and
