@@ -65,11 +65,12 @@ def _compile_and_run(module, x, tmp_path):
     return np.array(out.to_host(), copy=True)
 
 
-@pytest.mark.parametrize("rows, n", [(1, 80), (3, 80), (2, 2100)])
+@pytest.mark.parametrize("rows, n, k", [(1, 80, 96), (3, 83, 96), (2, 2100, 128)])
 @pytest.mark.parametrize("kind", KINDS)
-def test_kernel_product_equals_gguf_dequantization(kind, rows, n, tmp_path):
-    """80 outputs: 2.5 workgroups of 32; 2100: 9 workgroups of 256, the last partial."""
-    k = 96  # 3 blocks per row
+def test_kernel_product_equals_gguf_dequantization(kind, rows, n, k, tmp_path):
+    """80 or 83 outputs: 2.5 workgroups of 32 (83: Q4 rows four at a time, then three one at a
+    time); 2100: 9 workgroups of 256, the last partial. Rows of 3 blocks (a pair and an odd one)
+    or 4."""
     rng = np.random.default_rng(rows)
     raw = quantize_array(rng.standard_normal((n, k)).astype(np.float32), kind)
     w = torch.from_numpy(raw) if kind == "F16" else weight_from_raw(kind, (n, k), raw)
@@ -104,10 +105,10 @@ class _Fused(torch.nn.Module):
 @pytest.mark.parametrize("form", ["qkv", "swiglu"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_fused_products_equal_gguf_dequantization(kind, form, tmp_path):
-    """One dispatch for q, k, v of 80, 40 and 24 outputs (workgroups of 32 span two matrices), or
-    for silu(x gate^T) * (x up^T)."""
+    """One dispatch for q, k, v of 80, 42 and 26 outputs (workgroups of 32 span two matrices, Q4
+    rows go four at a time within one), or for silu(x gate^T) * (x up^T)."""
     rng = np.random.default_rng(7)
-    k, sizes = 96, ([80, 40, 24] if form == "qkv" else [80, 80])
+    k, sizes = 96, ([80, 42, 26] if form == "qkv" else [83, 83])
     raws = [quantize_array(rng.standard_normal((n, k)).astype(np.float32), kind) for n in sizes]
     weights = [torch.from_numpy(r) if kind == "F16" else weight_from_raw(kind, (n, k), r) for n, r in zip(sizes, raws)]
     dense = [r.astype(np.float64) if kind == "F16" else quants.dequantize(r, GGMLQuantizationType[kind]).astype(np.float64)
