@@ -101,13 +101,15 @@ static void pair_blocks(int8_t *q, size_t mc, size_t K) {
 
 // Workspace of one workgroup: its rows of x quantized (q, with per block the scale xd and
 // xd * sum of q, xs), and for the row of w at hand the products of its block scales with x's (cs).
-// For Q4 weights also x's block scales and sums per pair of blocks, each repeated over four lanes
-// (xdp, xsp: 8 floats a pair, see q4_rows4), and those of the four rows of w at hand (wdp, wmp).
-#define PAIRS (XQ_BYTES / 64 + MAX_M)  // pairs of x's blocks, with an odd last block its own entry
+// For Q4 weights four rows at a time (rows of up to FOUR_ROWS_MAX_BLOCKS blocks, see q4_rows4)
+// also x's block scales and sums per pair of blocks, each repeated over four lanes (xdp, xsp: 8
+// floats a pair), and those of the four rows of w at hand (wdp, wmp).
+#define FOUR_ROWS_MAX_BLOCKS 20
+#define PAIRS (FOUR_ROWS_MAX_BLOCKS / 2 + 1)  // pairs of blocks of a row, an odd last block its own
 typedef struct {
   int8_t q[XQ_BYTES];
   float xd[XQ_BYTES / 32], xs[XQ_BYTES / 32], cs[XQ_BYTES / 32];
-  float xdp[8 * PAIRS], xsp[8 * PAIRS], wdp[8 * (MAX_BLOCKS / 2 + 1)], wmp[8 * (MAX_BLOCKS / 2 + 1)];
+  float xdp[8 * MAX_M * PAIRS], xsp[8 * MAX_M * PAIRS], wdp[8 * PAIRS], wmp[8 * PAIRS];
 } workspace;
 
 // Rows of x a workgroup quantizes at a time: all of them (up to MAX_M) if they fit.
@@ -245,8 +247,8 @@ INLINE void q_row(workspace *ws, int kind, const void *qn, const uint16_t *d, co
 // caches / from memory, one row of x: 1536x576 12.0 -> 18.2 / 9.8 -> 11.6, 49152x576
 // 13.6 -> 19.5 / 13.3 -> 16.1; four rows of x, 1536x576: 6.3 -> 7.7 / 7.0 -> 8.3. Rows of more
 // blocks keep one row at a time: read from memory, four rows at a time ran slower from 768 values
-// a row on (576x1536 16.2 -> 13.0 GB/s, 640x2048 14.3 -> 10.9; 640 values: 2048x640 12.6 -> 13.9).
-#define FOUR_ROWS_MAX_BLOCKS 20
+// a row on (576x1536 16.2 -> 13.0 GB/s, 640x2048 14.3 -> 10.9; 640 values: 2048x640 12.6 -> 13.9),
+// hence FOUR_ROWS_MAX_BLOCKS.
 
 // Per pair p of x's blocks (rows i of x): xdp [i][p] = (xd[2p] x 4, xd[2p + 1] x 4), and the same
 // of xs in xsp. An odd last block b is an entry of its own: (xd[b] x 8) and (xs[b] x 4, 0 x 4), as
@@ -474,16 +476,17 @@ INLINE void matvec(int kind, int op, const float *x, const matrix *w, size_t cou
   ROW_RANGE
   if (K / 32 > MAX_BLOCKS) return;  // never traced: kernels routes only rows this short
   workspace ws;
-  int q4 = kind == Q4_0 || kind == Q4_1;
+  int four_rows = (kind == Q4_0 || kind == Q4_1) && K / 32 <= FOUR_ROWS_MAX_BLOCKS;
   for (size_t m0 = 0, mc; m0 < M; m0 += mc) {
     mc = kind == F16 ? (M - m0 < MAX_M ? M - m0 : MAX_M) : chunk_rows(M, m0, K);
     if (kind != F16) quantize_x(x + m0 * K, mc, K, ws.q, ws.xd, ws.xs);
-    if (q4) pair_blocks(ws.q, mc, K), x_pair_scales(&ws, mc, K / 32);
+    if (kind == Q4_0 || kind == Q4_1) pair_blocks(ws.q, mc, K);
+    if (four_rows) x_pair_scales(&ws, mc, K / 32);
     size_t j = 0, first = 0, g;  // the matrix holding output n, its first output; rows at a time
     for (size_t n = n0; n < n1; n += g) {
       while (op == CONCAT && j + 1 < count && n >= first + w[j].n) first += w[j++].n;
       size_t end = op == CONCAT ? first + w[j].n : N;  // outputs [first, end) are matrix j's
-      g = q4 && K / 32 <= FOUR_ROWS_MAX_BLOCKS && n + 4 <= n1 && n + 4 <= end ? 4 : 1;
+      g = four_rows && n + 4 <= n1 && n + 4 <= end ? 4 : 1;
       float out[4][MAX_M];
       some_rows(kind, &ws, x + m0 * K, &w[j], n - first, g, mc, K, out);
       if (op == SWIGLU) {
