@@ -28,8 +28,10 @@
   T *restrict name, T *restrict name##_aligned, size_t name##_offset, size_t name##_size, size_t name##_stride
 #define BASE(name) (name##_aligned + name##_offset)  // MLIR: element i is at aligned + offset + i
 #define INLINE static inline __attribute__((always_inline))
-// Q8_0 weights are read PREFETCH bytes ahead (a line at a time): SmolLM2 Q8_0 decode through the
-// runner 7.40 -> 6.80 ms. (F16 took 5% longer, and the Q4 products are bound by their arithmetic.)
+// Q8_0 weights, and Q4 weights read four rows at a time (q4_rows4), are read PREFETCH bytes ahead:
+// SmolLM2 Q8_0 decode through the runner 7.40 -> 6.80 ms; Q4_1 1536x576 from memory in
+// tools/matvec_harness.c 15.5 -> 16.5 GB/s, four rows of x 7.3 -> 9.0. (F16 took 5% longer, and
+// Q4 one row at a time gained nothing.)
 #define PREFETCH 2048
 #define PREFETCH_LINE(p) _mm_prefetch((const char *)(p) + PREFETCH, _MM_HINT_T0)
 
