@@ -579,7 +579,95 @@ void sharkport_decode_kv_write(MEMREF(const float, knew), MEMREF(const float, vn
   for (size_t d = 0; d < D; ++d) slot[kv_elems + d] = BASE(vnew)[(b * Hkv + g) * D + d];
 }
 
-// q [B, H D] (before rotary) attends to positions [0, lens) of the cache; pages [B, blocks];
+// Scores of one page's positions [0, n) for query head qh [D]: p[j] = scale * (qh . k[j]), k[j]
+// at k + j * slot. Eight positions at a time in eight independent multiply-add chains, whose sums
+// horizontal adds gather into one vector (was: four at a time, an `hsum` each).
+INLINE void page_scores(const float *qh, const float *k, size_t slot, size_t n, size_t D, float scale, float *p) {
+  const __m256 sc = _mm256_set1_ps(scale);
+  size_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const float *kj = k + j * slot;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (size_t d = 0; d < D; d += 8) {
+      __m256 qd = _mm256_loadu_ps(qh + d);
+      a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + d), a0);
+      a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + slot + d), a1);
+      a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + 2 * slot + d), a2);
+      a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + 3 * slot + d), a3);
+      a4 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + 4 * slot + d), a4);
+      a5 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + 5 * slot + d), a5);
+      a6 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + 6 * slot + d), a6);
+      a7 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + 7 * slot + d), a7);
+    }
+    // two rounds of hadd leave in lane i of each 128-bit half a part of a_i's sum (u0: i < 4,
+    // u1: i >= 4); adding the halves completes them
+    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    __m256 s = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+    _mm256_storeu_ps(p + j, _mm256_mul_ps(s, sc));
+  }
+  for (; j < n; ++j) {
+    __m256 a = _mm256_setzero_ps();
+    for (size_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(k + j * slot + d), a);
+    p[j] = hsum(a) * scale;
+  }
+}
+
+// A page's K and V come from memory (a step's weights evict them between layers): each position
+// of page_values prefetches the next NEXT_PAGE_LINES lines of the next page's K and V into L2, *pf
+// advancing to pf_end (tools/attention_harness.c, 480 positions, 2 threads: 1.05x).
+#define NEXT_PAGE_LINES 3
+
+// ah [D] = ah * rescale + sum over j < n of p[j] v[j] (v[j] at v + j * slot): 64 values of d at a
+// time in eight registers (eight independent chains), then 8.
+INLINE void page_values(float *ah, const float *p, const float *v, size_t slot, size_t n, size_t D, float rescale,
+                        const char **pf, const char *pf_end) {
+  const __m256 r = _mm256_set1_ps(rescale);
+  size_t d = 0;
+  for (; d + 64 <= D; d += 64) {
+    __m256 a[8];
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_mul_ps(_mm256_loadu_ps(ah + d + 8 * i), r);
+    for (size_t j = 0; j < n; ++j) {
+      for (int i = 0; i < NEXT_PAGE_LINES && *pf < pf_end; ++i, *pf += 64) _mm_prefetch(*pf, _MM_HINT_T1);
+      __m256 pj = _mm256_broadcast_ss(p + j);
+      const float *vj = v + j * slot + d;
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * i), a[i]);
+    }
+    for (int i = 0; i < 8; ++i) _mm256_storeu_ps(ah + d + 8 * i, a[i]);
+  }
+  for (; d < D; d += 8) {
+    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(ah + d), r);
+    for (size_t j = 0; j < n; ++j) a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(v + j * slot + d), a);
+    _mm256_storeu_ps(ah + d, a);
+  }
+}
+
+// Head h's running softmax over one page's scores p [n]: its max and sum updated, p replaced by
+// exp(p - max); returns the factor for the earlier sums.
+INLINE float page_softmax(float *p, size_t n, float *run_max, float *run_sum) {
+  __m256 mx = _mm256_set1_ps(-__builtin_inff());
+  size_t j = 0;
+  for (; j + 8 <= n; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(p + j));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  float page_max = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  for (; j < n; ++j) page_max = p[j] > page_max ? p[j] : page_max;
+  float m = page_max > *run_max ? page_max : *run_max;
+  float rescale = exp_scalar(*run_max - m);  // 0 on the first page (exp(-inf) clamps to ~0)
+  *run_max = m;
+  __m256 mv = _mm256_set1_ps(m), total = _mm256_setzero_ps();
+  for (j = 0; j + 8 <= n; j += 8) {
+    __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + j), mv));
+    _mm256_storeu_ps(p + j, e);
+    total = _mm256_add_ps(total, e);
+  }
+  float sum = hsum(total);
+  for (; j < n; ++j) sum += p[j] = exp_scalar(p[j] - m);
+  *run_sum = *run_sum * rescale + sum;
+  return rescale;
+}
+
+// q [B, H D] (before rotary) attends to positions [0, len) of the cache; pages [B, blocks];
 // layer, rcos and rsin as above; out [B, H D]. MAX_GD (query heads per kv head times head_dim)
 // and MAX_STRIDE come from CFLAGS.
 void sharkport_decode_attention(MEMREF(const float, q), MEMREF(const float, cache), MEMREF(const int64_t, pages),
@@ -601,67 +689,17 @@ void sharkport_decode_attention(MEMREF(const float, q), MEMREF(const float, cach
   for (size_t h = 0; h < G; ++h) run_max[h] = -__builtin_inff(), run_sum[h] = 0.0f;
   for (size_t t0 = 0; t0 < len; t0 += stride) {
     size_t n = len - t0 < stride ? len - t0 : stride;
-    const float *k = BASE(cache) + ((size_t)page_ids[t0 / stride] * L + l) * 2 * kv_elems + g * D;
-    const float *v = k + kv_elems;
+    const float *page = BASE(cache) + ((size_t)page_ids[t0 / stride] * L + l) * 2 * kv_elems;
+    const float *k = page + g * D, *v = k + kv_elems;
+    const char *pf = 0, *pf_end = 0;  // the next page's K and V, prefetched along the way
+    if (t0 + stride < len) {
+      pf = (const char *)(BASE(cache) + ((size_t)page_ids[t0 / stride + 1] * L + l) * 2 * kv_elems);
+      pf_end = pf + 2 * kv_elems * sizeof(float);
+    }
     for (size_t h = 0; h < G; ++h) {
-      const float *qh = qb + h * D;
-      // scores of the page's positions, four at a time (independent multiply-add chains)
-      size_t j = 0;
-      for (; j + 4 <= n; j += 4) {
-        __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-        const float *kj = k + j * slot_elems;
-        for (size_t d = 0; d < D; d += 8) {
-          __m256 qd = _mm256_loadu_ps(qh + d);
-          s0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + d), s0);
-          s1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + slot_elems + d), s1);
-          s2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + 2 * slot_elems + d), s2);
-          s3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + 3 * slot_elems + d), s3);
-        }
-        p[j] = hsum(s0) * scale, p[j + 1] = hsum(s1) * scale, p[j + 2] = hsum(s2) * scale, p[j + 3] = hsum(s3) * scale;
-      }
-      for (; j < n; ++j) {
-        __m256 s0 = _mm256_setzero_ps();
-        for (size_t d = 0; d < D; d += 8)
-          s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(k + j * slot_elems + d), s0);
-        p[j] = hsum(s0) * scale;
-      }
-      float page_max = p[0];
-      for (j = 1; j < n; ++j) page_max = p[j] > page_max ? p[j] : page_max;
-      float m = page_max > run_max[h] ? page_max : run_max[h];
-      float rescale = exp_scalar(run_max[h] - m);  // 0 on the first page (exp(-inf) clamps to ~0)
-      run_max[h] = m;
-      __m256 mv = _mm256_set1_ps(m), total = _mm256_setzero_ps();
-      for (j = 0; j + 8 <= n; j += 8) {
-        __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + j), mv));
-        _mm256_storeu_ps(p + j, e);
-        total = _mm256_add_ps(total, e);
-      }
-      float sum = hsum(total);
-      for (; j < n; ++j) sum += p[j] = exp_scalar(p[j] - m);
-      run_sum[h] = run_sum[h] * rescale + sum;
-      // acc = acc * rescale + sum of p[j] v[j], 32 values of d at a time in registers
-      float *ah = acc + h * D;
-      __m256 r = _mm256_set1_ps(rescale);
-      size_t d = 0;
-      for (; d + 32 <= D; d += 32) {
-        __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(ah + d), r), a1 = _mm256_mul_ps(_mm256_loadu_ps(ah + d + 8), r),
-               a2 = _mm256_mul_ps(_mm256_loadu_ps(ah + d + 16), r), a3 = _mm256_mul_ps(_mm256_loadu_ps(ah + d + 24), r);
-        for (j = 0; j < n; ++j) {
-          __m256 pj = _mm256_set1_ps(p[j]);
-          const float *vj = v + j * slot_elems + d;
-          a0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj), a0);
-          a1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8), a1);
-          a2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 16), a2);
-          a3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 24), a3);
-        }
-        _mm256_storeu_ps(ah + d, a0), _mm256_storeu_ps(ah + d + 8, a1);
-        _mm256_storeu_ps(ah + d + 16, a2), _mm256_storeu_ps(ah + d + 24, a3);
-      }
-      for (; d < D; d += 8) {
-        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(ah + d), r);
-        for (j = 0; j < n; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + j * slot_elems + d), a);
-        _mm256_storeu_ps(ah + d, a);
-      }
+      page_scores(qb + h * D, k, slot_elems, n, D, scale, p);
+      float rescale = page_softmax(p, n, run_max + h, run_sum + h);
+      page_values(acc + h * D, p, v, slot_elems, n, D, rescale, &pf, pf_end);
     }
   }
   float *ob = BASE(out) + (b * H + g * G) * D;

@@ -1,0 +1,92 @@
+// Times sharkport/kernels/matvec.c's decode attention outside IREE: SmolLM2-135M's shapes (9
+// query heads, 3 kv heads, head_dim 64, 30 layers, 32 positions a page), B sequences of LEN
+// positions each, every layer of a step in turn (a barrier after each, as IREE's dispatches), its
+// workgroups shared round robin among THREADS threads. CACHES distinct caches are used in turn
+// (1: small ones stay in the caches; 4 at 480 positions, 88 MB: read from memory, as in decode,
+// where a step's weights evict the cache between layers). Prints the best of 5 trials.
+//
+//   cc -O3 -mavx2 -mfma -mf16c -ffreestanding -fPIC -std=c11 -DMAX_BLOCKS=512 -DXQ_BYTES=16384
+//      -DMAX_GD=2048 -DMAX_STRIDE=256 -c sharkport/kernels/matvec.c -o /tmp/matvec.o   (one line)
+//   cc -O2 tools/attention_harness.c /tmp/matvec.o -o /tmp/attention_harness -lpthread
+//   /tmp/attention_harness B LEN CACHES THREADS REPS        (e.g. 1 480 4 2 3)
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+// A memref argument: (base, aligned, offset, size, stride).
+#define MEMREF(T) T *, T *, size_t, size_t, size_t
+#define ARG(p) (p), (p), (size_t)0, (size_t)1, (size_t)1
+void sharkport_decode_attention(MEMREF(const float), MEMREF(const float), MEMREF(const int64_t),
+                                MEMREF(const int64_t), MEMREF(const int64_t), MEMREF(const float),
+                                MEMREF(const float), MEMREF(float), size_t blocks, size_t H, size_t Hkv, size_t D,
+                                size_t L, size_t stride, size_t R, size_t interleaved, float scale, size_t wg);
+
+enum { H = 9, HKV = 3, D = 64, L = 30, STRIDE = 32 };
+static size_t B, LEN, CACHES, THREADS, REPS, BLOCKS;
+static float **caches, *q, *out, *rcos, *rsin;
+static int64_t *pages, *lens;
+static pthread_barrier_t barrier;
+
+static void *worker(void *arg) {
+  size_t t = (size_t)arg;
+  for (size_t r = 0; r < REPS; ++r)
+    for (size_t c = 0; c < CACHES; ++c)
+      for (size_t l = 0; l < L; ++l) {
+        int64_t layer[2] = {(int64_t)l, L};
+        for (size_t wg = t; wg < B * HKV; wg += THREADS)
+          sharkport_decode_attention(ARG(q), ARG(caches[c]), ARG(pages), ARG(lens), ARG(layer), ARG(rcos),
+                                     ARG(rsin), ARG(out), BLOCKS, H, HKV, D, L, STRIDE, D, 1, 0.125f, wg);
+        pthread_barrier_wait(&barrier);
+      }
+  return 0;
+}
+
+static double now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+int main(int argc, char **argv) {
+  if (argc != 6) {
+    fprintf(stderr, "usage: %s B LEN CACHES THREADS REPS\n", argv[0]);
+    return 2;
+  }
+  B = atoi(argv[1]), LEN = atoi(argv[2]), CACHES = atoi(argv[3]), THREADS = atoi(argv[4]), REPS = atoi(argv[5]);
+  if (!B || !LEN || !CACHES || !THREADS || THREADS > 64 || !REPS) {
+    fprintf(stderr, "%s: B, LEN, CACHES, THREADS (at most 64) and REPS must be positive\n", argv[0]);
+    return 2;
+  }
+  BLOCKS = (LEN + STRIDE - 1) / STRIDE;
+  size_t page_count = B * BLOCKS, page_elems = (size_t)L * 2 * STRIDE * HKV * D;
+  caches = malloc(CACHES * sizeof *caches);
+  for (size_t c = 0; c < CACHES; ++c) {
+    caches[c] = malloc(page_count * page_elems * sizeof(float));
+    for (size_t i = 0; i < page_count * page_elems; ++i) caches[c][i] = (float)((i * 2654435761u) % 1000) / 1000 - 0.5f;
+  }
+  pages = malloc(page_count * sizeof *pages), lens = malloc(B * sizeof *lens);
+  for (size_t i = 0; i < page_count; ++i) pages[i] = (int64_t)i;
+  for (size_t b = 0; b < B; ++b) lens[b] = (int64_t)LEN;
+  q = malloc(B * H * D * sizeof(float)), out = malloc(B * H * D * sizeof(float));
+  rcos = malloc(B * D / 2 * sizeof(float)), rsin = malloc(B * D / 2 * sizeof(float));
+  for (size_t i = 0; i < B * H * D; ++i) q[i] = (float)(i % 7) / 7 - 0.3f;
+  for (size_t i = 0; i < B * D / 2; ++i) rcos[i] = 0.8f, rsin[i] = 0.6f;
+  double best = 1e30;
+  for (int trial = 0; trial < 5; ++trial) {
+    pthread_t threads[64];
+    pthread_barrier_init(&barrier, 0, THREADS);
+    double t0 = now();
+    for (size_t t = 0; t < THREADS; ++t) pthread_create(&threads[t], 0, worker, (void *)t);
+    for (size_t t = 0; t < THREADS; ++t) pthread_join(threads[t], 0);
+    double step = (now() - t0) / (REPS * CACHES);
+    best = step < best ? step : best;
+    pthread_barrier_destroy(&barrier);
+  }
+  double bytes = (double)B * L * 2 * HKV * D * sizeof(float) * LEN, sum = 0;
+  for (size_t i = 0; i < B * H * D; ++i) sum += out[i];
+  printf("B %zu, %zu positions, %zu caches, %zu threads: %.1f us a step (30 layers), %.1f GB/s of K and V"
+         " (output sum %.6f)\n", B, LEN, CACHES, THREADS, best * 1e6, bytes / best / 1e9, sum);
+  return 0;
+}
