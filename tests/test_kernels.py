@@ -148,13 +148,17 @@ def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str)
     return torch.cat([turned, x[:, r:]], dim=1)
 
 
-@pytest.mark.parametrize("head_dim, rope_dim, layout", [(64, 64, "interleaved"), (40, 32, "half")])
-def test_decode_attention_equals_torch_sdpa(head_dim, rope_dim, layout, tmp_path):
+@pytest.mark.parametrize("head_dim, rope_dim, layout, dtype", [(64, 64, "interleaved", torch.float32),
+                                                               (40, 32, "half", torch.float32),
+                                                               (64, 64, "interleaved", torch.float16)])
+def test_decode_attention_equals_torch_sdpa(head_dim, rope_dim, layout, dtype, tmp_path):
     """The attention kernel (layer 1 of 2, 16 positions a page, 6 query heads on 2 kv heads,
     sequences of 37 and 70 positions on shuffled pages) rotates q and the new k, writes the new k
     and v into their page's slot in place (and nothing else), and equals torch's
     scaled_dot_product_attention over K/V gathered position by position. head_dim 40: the
-    kernel's 32-value chunks and its 8-value tail, and rotary over 32 of the 40 dims."""
+    kernel's 8-value tail alone (64: its 64-value chunks), and rotary over 32 of the 40 dims. A float16
+    cache: the new k and v stored as torch's `.half()` rounds them (to within one unit in the last
+    place: k is rotated in float32 by the kernel, in float64 here), the cached values read exactly."""
     import iree.runtime as rt
     from iree.turbine import aot
 
@@ -165,7 +169,7 @@ def test_decode_attention_equals_torch_sdpa(head_dim, rope_dim, layout, tmp_path
     B, H, blocks, lens = 2, 6, 5, [37, 70]
     rng = np.random.default_rng(head_dim)
     f32 = lambda *shape: torch.from_numpy(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
-    state = f32(12, cache.page_elems)
+    state = f32(12, cache.page_elems).to(dtype)
     pages = torch.from_numpy(rng.permutation(12)[:B * blocks].reshape(B, blocks).astype(np.int64))
     q, k, v = f32(B, 1, H, head_dim), f32(B, 1, 2, head_dim), f32(B, 1, 2, head_dim)
     seq_lens = torch.tensor(lens, dtype=torch.int64)
@@ -180,7 +184,7 @@ def test_decode_attention_equals_torch_sdpa(head_dim, rope_dim, layout, tmp_path
                               args=(q, k, v, state.clone(), pages, starts, seq_lens, cos, sin))
     mlir, vmfb = tmp_path / "m.mlir", tmp_path / "m.vmfb"
     exported.save_mlir(mlir)
-    assert "sharkport_decode_attention" in mlir.read_text()
+    assert f"sharkport_decode_attention{'_f16' if dtype == torch.float16 else ''}(" in mlir.read_text()
     compile_mlir(mlir, vmfb)
     config = rt.Config("local-task")
     ctx = rt.SystemContext(config=config)
@@ -193,11 +197,13 @@ def test_decode_attention_equals_torch_sdpa(head_dim, rope_dim, layout, tmp_path
     pages_of = want_state.view(12, 2, 2, 16, 2, head_dim)  # [page, layer, K|V, slot, kv head, D]
     for b in range(B):
         page, slot = pages[b, starts[b] // 16], starts[b] % 16
-        pages_of[page, 1, 0, slot] = _rotated(k[b, 0], cos[b, 0], sin[b, 0], layout)
-        pages_of[page, 1, 1, slot] = v[b, 0]
-    np.testing.assert_allclose(written.numpy(), want_state.numpy(), rtol=0, atol=1e-6)
+        pages_of[page, 1, 0, slot] = _rotated(k[b, 0], cos[b, 0], sin[b, 0], layout).to(dtype)
+        pages_of[page, 1, 1, slot] = v[b, 0].to(dtype)
+    np.testing.assert_allclose(written.float().numpy(), want_state.float().numpy(),
+                               rtol=2 ** -10 if dtype == torch.float16 else 0, atol=1e-6)
+    written_of = written.view(12, 2, 2, 16, 2, head_dim)
     for b in range(B):
-        kv = torch.stack([pages_of[pages[b, t // 16], 1, :, t % 16] for t in range(lens[b])], dim=1)  # [2, T, Hkv, D]
+        kv = torch.stack([written_of[pages[b, t // 16], 1, :, t % 16] for t in range(lens[b])], dim=1).float()
         k_all, v_all = (kv[i].transpose(0, 1).repeat_interleave(H // 2, dim=0) for i in (0, 1))  # [H, T, D]
         qr = _rotated(q[b, 0], cos[b, 0], sin[b, 0], layout)
         want = torch.nn.functional.scaled_dot_product_attention(qr[:, None], k_all, v_all, scale=scale)[:, 0]
@@ -245,8 +251,9 @@ def _q8_0_inputs(model: torch.nn.Module) -> list:
 
 @pytest.fixture(scope="module")
 def kernel_module(quantized_tiny, tmp_path_factory):
-    """type name → (vmfb, irpa, config json, GGUF) of the tiny llama quantized to that type,
-    exported with --matvec-kernels (after checking decode calls the kernels) and compiled."""
+    """(type name, KV cache dtype) → (vmfb, irpa, config json, GGUF) of the tiny llama quantized
+    to that type, exported with --matvec-kernels (after checking decode calls the kernels) and
+    compiled."""
     import gguf
 
     from sharkport.archive import Dataset
@@ -256,40 +263,45 @@ def kernel_module(quantized_tiny, tmp_path_factory):
 
     made = {}
 
-    def get(type_name: str):
-        if type_name not in made:
+    def get(type_name: str, cache_dtype: torch.dtype = torch.float32):
+        if (type_name, cache_dtype) not in made:
             gguf_path, irpa = quantized_tiny(type_name)
             matrices = {t.tensor_type.name for t in gguf.GGUFReader(gguf_path).tensors if len(t.shape) == 2}
             assert matrices == {type_name.upper()}, "every linear's input is quantized below: every matrix must be"
             out = tmp_path_factory.mktemp(f"kernel_module_{type_name}")
             config = dataclasses.replace(TINY_EXPORT, matvec_kernels=True)
             output, service = export_model(Dataset.load(irpa), config,
-                                           ModelConfig(block_seq_stride=config.block_seq_stride))
+                                           ModelConfig(block_seq_stride=config.block_seq_stride,
+                                                       kv_cache_dtype=cache_dtype))
             save_export(output, service, out / "m.mlir", out / "m.json")
             mlir = (out / "m.mlir").read_text()
-            for kernel in ("sharkport_decode_kv_write", "sharkport_decode_attention", f"sharkport_matvec_qkv_{type_name}",
-                           f"sharkport_matvec_swiglu_{type_name}"):
+            cache = "_f16(" if cache_dtype == torch.float16 else "("
+            for kernel in (f"sharkport_decode_kv_write{cache}", f"sharkport_decode_attention{cache}",
+                           f"sharkport_matvec_qkv_{type_name}", f"sharkport_matvec_swiglu_{type_name}"):
                 assert kernel in mlir, f"{kernel} is not called: decode took the traced form"
             compile_mlir(out / "m.mlir", out / "m.vmfb")
-            made[type_name] = out / "m.vmfb", irpa, out / "m.json", gguf_path
-        return made[type_name]
+            made[type_name, cache_dtype] = out / "m.vmfb", irpa, out / "m.json", gguf_path
+        return made[type_name, cache_dtype]
 
     return get
 
 
-@pytest.mark.parametrize("type_name", ["q8_0", "q4_1", "f16"])
-def test_tiny_llama_decodes_through_the_kernels_as_transformers(kernel_module, type_name):
+@pytest.mark.parametrize("type_name, cache_dtype", [("q8_0", torch.float32), ("q4_1", torch.float32),
+                                                    ("f16", torch.float32), ("f16", torch.float16)])
+def test_tiny_llama_decodes_through_the_kernels_as_transformers(kernel_module, type_name, cache_dtype):
     """Prefill 5 tokens, then teacher-forced decode at batch 4 (every row the same sequence, on
     its own pages; products (q, k, v in one dispatch, gate and up with SiLU in one), rotary, the
     cache write and attention through the kernels, the 4 query heads on one kv head, positions
     over two pages): each step's logits equal transformers' over the same quantized GGUF, with
     its prefill in float32 and, for quantized weights, its decode steps multiplying x quantized to
-    Q8_0 by gguf.quants (the kernels' 8-bit products; prefill keeps the float32 product)."""
+    Q8_0 by gguf.quants (the kernels' 8-bit products; prefill keeps the float32 product). With a
+    float16 KV cache (`--kv-cache-dtype float16`), within what rounding K and V to float16 moves
+    them (3e-3 of the max logit; float32: 2e-4)."""
     from transformers import AutoModelForCausalLM
 
     from sharkport.runtime.session import IreeSession
 
-    vmfb, irpa, config_json, gguf_path = kernel_module(type_name)
+    vmfb, irpa, config_json, gguf_path = kernel_module(type_name, cache_dtype)
     session = IreeSession(vmfb, irpa, config_json, pages=TINY_EXPORT.device_block_count)
 
     ids = [3, 99, 14, 200, 7, 7, 51, 128, 60, 2, 31, 90, 17, 5, 250, 33, 8, 64, 101, 12]  # 20: two pages of 16
@@ -313,7 +325,8 @@ def test_tiny_llama_decodes_through_the_kernels_as_transformers(kernel_module, t
         got = session.decode(np.full((4, 1), ids[pos]), np.full(4, pos + 1), np.full(4, pos),
                              pages[:, :pos // stride + 1].copy())
         for row in range(4):
-            np.testing.assert_allclose(got[row, 0], want[pos], rtol=0, atol=2e-4 * np.abs(want[pos]).max(),
+            tolerance = 3e-3 if cache_dtype == torch.float16 else 2e-4
+            np.testing.assert_allclose(got[row, 0], want[pos], rtol=0, atol=tolerance * np.abs(want[pos]).max(),
                                        err_msg=f"position {pos}, row {row}")
 
 

@@ -3,17 +3,20 @@
 // positions each, every layer of a step in turn (a barrier after each, as IREE's dispatches), its
 // workgroups shared round robin among THREADS threads. CACHES distinct caches are used in turn
 // (1: small ones stay in the caches; 4 at 480 positions, 88 MB: read from memory, as in decode,
-// where a step's weights evict the cache between layers). Prints the best of 5 trials.
+// where a step's weights evict the cache between layers); `f16` at the end: a float16 cache
+// (sharkport_decode_attention_f16). Prints the best of 5 trials.
 //
 //   cc -O3 -mavx2 -mfma -mf16c -ffreestanding -fPIC -std=c11 -DMAX_BLOCKS=512 -DXQ_BYTES=16384
 //      -DMAX_GD=2048 -DMAX_STRIDE=256 -c sharkport/kernels/matvec.c -o /tmp/matvec.o   (one line)
 //   cc -O2 tools/attention_harness.c /tmp/matvec.o -o /tmp/attention_harness -lpthread
-//   /tmp/attention_harness B LEN CACHES THREADS REPS        (e.g. 1 480 4 2 3)
+//   /tmp/attention_harness B LEN CACHES THREADS REPS [f16]        (e.g. 1 480 4 2 3)
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
+#include <immintrin.h>
 
 // A memref argument: (base, aligned, offset, size, stride).
 #define MEMREF(T) T *, T *, size_t, size_t, size_t
@@ -22,10 +25,16 @@ void sharkport_decode_attention(MEMREF(const float), MEMREF(const float), MEMREF
                                 MEMREF(const int64_t), MEMREF(const int64_t), MEMREF(const float),
                                 MEMREF(const float), MEMREF(float), size_t blocks, size_t H, size_t Hkv, size_t D,
                                 size_t L, size_t stride, size_t R, size_t interleaved, float scale, size_t wg);
+void sharkport_decode_attention_f16(MEMREF(const float), MEMREF(const uint16_t), MEMREF(const int64_t),
+                                    MEMREF(const int64_t), MEMREF(const int64_t), MEMREF(const float),
+                                    MEMREF(const float), MEMREF(float), size_t blocks, size_t H, size_t Hkv, size_t D,
+                                    size_t L, size_t stride, size_t R, size_t interleaved, float scale, size_t wg);
 
 enum { H = 9, HKV = 3, D = 64, L = 30, STRIDE = 32 };
+static int F16;
 static size_t B, LEN, CACHES, THREADS, REPS, BLOCKS;
-static float **caches, *q, *out, *rcos, *rsin;
+static void **caches;
+static float *q, *out, *rcos, *rsin;
 static int64_t *pages, *lens;
 static pthread_barrier_t barrier;
 
@@ -36,8 +45,13 @@ static void *worker(void *arg) {
       for (size_t l = 0; l < L; ++l) {
         int64_t layer[2] = {(int64_t)l, L};
         for (size_t wg = t; wg < B * HKV; wg += THREADS)
-          sharkport_decode_attention(ARG(q), ARG(caches[c]), ARG(pages), ARG(lens), ARG(layer), ARG(rcos),
-                                     ARG(rsin), ARG(out), BLOCKS, H, HKV, D, L, STRIDE, D, 1, 0.125f, wg);
+          if (F16)
+            sharkport_decode_attention_f16(ARG(q), ARG((uint16_t *)caches[c]), ARG(pages), ARG(lens), ARG(layer),
+                                           ARG(rcos), ARG(rsin), ARG(out), BLOCKS, H, HKV, D, L, STRIDE, D, 1, 0.125f,
+                                           wg);
+          else
+            sharkport_decode_attention(ARG(q), ARG((float *)caches[c]), ARG(pages), ARG(lens), ARG(layer),
+                                       ARG(rcos), ARG(rsin), ARG(out), BLOCKS, H, HKV, D, L, STRIDE, D, 1, 0.125f, wg);
         pthread_barrier_wait(&barrier);
       }
   return 0;
@@ -50,10 +64,11 @@ static double now(void) {
 }
 
 int main(int argc, char **argv) {
-  if (argc != 6) {
-    fprintf(stderr, "usage: %s B LEN CACHES THREADS REPS\n", argv[0]);
+  if (argc != 6 && !(argc == 7 && !strcmp(argv[6], "f16"))) {
+    fprintf(stderr, "usage: %s B LEN CACHES THREADS REPS [f16]\n", argv[0]);
     return 2;
   }
+  F16 = argc == 7;
   B = atoi(argv[1]), LEN = atoi(argv[2]), CACHES = atoi(argv[3]), THREADS = atoi(argv[4]), REPS = atoi(argv[5]);
   if (!B || !LEN || !CACHES || !THREADS || THREADS > 64 || !REPS) {
     fprintf(stderr, "%s: B, LEN, CACHES, THREADS (at most 64) and REPS must be positive\n", argv[0]);
@@ -63,8 +78,14 @@ int main(int argc, char **argv) {
   size_t page_count = B * BLOCKS, page_elems = (size_t)L * 2 * STRIDE * HKV * D;
   caches = malloc(CACHES * sizeof *caches);
   for (size_t c = 0; c < CACHES; ++c) {
-    caches[c] = malloc(page_count * page_elems * sizeof(float));
-    for (size_t i = 0; i < page_count * page_elems; ++i) caches[c][i] = (float)((i * 2654435761u) % 1000) / 1000 - 0.5f;
+    caches[c] = malloc(page_count * page_elems * (F16 ? 2 : 4));
+    for (size_t i = 0; i < page_count * page_elems; ++i) {
+      float x = (float)((i * 2654435761u) % 1000) / 1000 - 0.5f;
+      if (F16)
+        ((uint16_t *)caches[c])[i] = _cvtss_sh(x, 0);
+      else
+        ((float *)caches[c])[i] = x;
+    }
   }
   pages = malloc(page_count * sizeof *pages), lens = malloc(B * sizeof *lens);
   for (size_t i = 0; i < page_count; ++i) pages[i] = (int64_t)i;
@@ -84,9 +105,9 @@ int main(int argc, char **argv) {
     best = step < best ? step : best;
     pthread_barrier_destroy(&barrier);
   }
-  double bytes = (double)B * L * 2 * HKV * D * sizeof(float) * LEN, sum = 0;
+  double bytes = (double)B * L * 2 * HKV * D * (F16 ? 2 : 4) * LEN, sum = 0;
   for (size_t i = 0; i < B * H * D; ++i) sum += out[i];
-  printf("B %zu, %zu positions, %zu caches, %zu threads: %.1f us a step (30 layers), %.1f GB/s of K and V"
-         " (output sum %.6f)\n", B, LEN, CACHES, THREADS, best * 1e6, bytes / best / 1e9, sum);
+  printf("%s cache, B %zu, %zu positions, %zu caches, %zu threads: %.1f us a step (30 layers), %.1f GB/s of K and V"
+         " (output sum %.6f)\n", F16 ? "float16" : "float32", B, LEN, CACHES, THREADS, best * 1e6, bytes / best / 1e9, sum);
   return 0;
 }

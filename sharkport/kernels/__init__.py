@@ -122,22 +122,24 @@ def decode_attention(q, k, v, cache_state, cache, layer, page_ids, start_positio
                      logit_cap: float = 0.0):
     """Decode attention in two kernel dispatches: rotates q [B, 1, H, D] and k [B, 1, Hkv, D] by
     `rope` (cos, sin [B, 1, R/2], or None) in `rope_layout` (as ops.apply_rope), writes k and v
-    at start_positions into cache_state (as `cache`, a layers.PagedCache, lays it out; in place),
-    and attends to the positions < seq_lens → [B, 1, H, D]. Returns None, having written
-    nothing, where the kernel does not apply: outside `enabled()`, a sliding window,
-    soft-capping, a cache or q not in float32, shapes beyond MAX_GD / MAX_STRIDE."""
+    at start_positions into cache_state (as `cache`, a layers.PagedCache, lays it out; in place;
+    a float16 cache stores them rounded to nearest, as `.half()`), and attends to the positions
+    < seq_lens → [B, 1, H, D]. Returns None, having written nothing, where the kernel does not
+    apply: outside `enabled()`, a sliding window, soft-capping, q not in float32, a cache in
+    neither float32 nor float16, shapes beyond MAX_GD / MAX_STRIDE."""
     import torch
 
     B, S, H, D = q.shape
+    element = {torch.float32: "f32", torch.float16: "f16"}.get(cache_state.dtype)  # of the kernels' cache
     G, rope_dim = H // cache.kv_heads, 2 * rope[0].shape[-1] if rope is not None else 0
     if not (_enabled and isinstance(S, int) and S == 1 and q.dtype == torch.float32
-            and cache_state.dtype == torch.float32 and not window and not logit_cap
+            and element and not window and not logit_cap
             and D % 8 == 0 and G * D <= MAX_GD and cache.stride <= MAX_STRIDE and rope_dim <= D):
         return None
     from .ops import AttentionShape, attention_op, kv_write_op
 
     shape = AttentionShape(H, cache.kv_heads, D, cache.block_count, cache.stride,
-                           D ** -0.5 if scale is None else float(scale), rope_dim, rope_layout)
+                           D ** -0.5 if scale is None else float(scale), rope_dim, rope_layout, element)
     cos, sin = (t.reshape(B, -1) for t in rope) if rope is not None else (q.reshape(B, -1),) * 2  # unread
     # The layer as a tensor operand (one traced block may serve every layer). A constant layer is
     # given with the layer count after it: IREE fills a one-value constant by a dispatch on every

@@ -543,11 +543,20 @@ DEFINE_KERNELS(F16, f16)
 // into the cache (in place), then sharkport_decode_attention attends with its rotated query to
 // the positions [0, len) of its pages. Two dispatches, so that each has one result: the write's
 // is the cache, tied to its operand; the attention's a new tensor.
-// The cache is sharkport.layers.PagedCache's flat float32 [pages, L, 2 (K, V), stride, Hkv, D].
+// The cache is sharkport.layers.PagedCache's flat [pages, L, 2 (K, V), stride, Hkv, D], of float32
+// (sharkport_decode_*) or float16 (sharkport_decode_*_f16: half the bytes to read; written rounded
+// to nearest even as torch's .half(), read exactly).
 // Each workgroup takes one (sequence, kv head): the write, its slot of the new position; the
 // attention, its G query heads, so that K and V are read once, walking the sequence a page at a
 // time with a running softmax (scores of a page, their max, the earlier sums rescaled), in
-// float32 throughout.
+// float32 throughout. The functions below take `f16` (whether the cache is float16) as a
+// constant: each exported function inlines them for its element type.
+
+// Eight cache values from element i of base, as float32.
+INLINE __m256 load8(const int f16, const void *base, size_t i) {
+  return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)))
+             : _mm256_loadu_ps((const float *)base + i);
+}
 
 // Rotary embedding of one head x [D] over its first R dims by angles (c, s) [R / 2]: pairs
 // (2i, 2i + 1) when interleaved (GGUF), else (i, i + R / 2) (HF); as sharkport.ops.apply_rope.
@@ -564,40 +573,59 @@ INLINE void rope(float *out, const float *x, const float *c, const float *s, siz
 // k and v [B, Hkv D] of the new positions (k before rotary) into their pages' slots of cache;
 // pages [B, blocks]; starts [B] (the new positions); layer [2]: the cache layer, then the layer
 // count; rcos and rsin [B, R / 2] (unread when R is 0).
-void sharkport_decode_kv_write(MEMREF(const float, knew), MEMREF(const float, vnew), MEMREF(float, cache),
-                               MEMREF(const int64_t, pages), MEMREF(const int64_t, starts),
-                               MEMREF(const int64_t, layer), MEMREF(const float, rcos), MEMREF(const float, rsin),
-                               size_t blocks, size_t Hkv, size_t D, size_t L, size_t stride, size_t R,
-                               size_t interleaved, size_t wg) {
-  size_t b = wg / Hkv, g = wg % Hkv, pos = (size_t)BASE(starts)[b], l = (size_t)BASE(layer)[0];
-  if (R > D) return;  // never traced: kernels routes only these
+INLINE void kv_write(const int f16, const float *knew, const float *vnew, void *cache, const int64_t *pages,
+                     const int64_t *starts, const int64_t *layer, const float *rcos, const float *rsin,
+                     size_t blocks, size_t Hkv, size_t D, size_t L, size_t stride, size_t R, size_t interleaved,
+                     size_t wg) {
+  size_t b = wg / Hkv, g = wg % Hkv, pos = (size_t)starts[b], l = (size_t)layer[0];
+  if (R > D || D > MAX_GD) return;  // never traced: kernels routes only these
   size_t slot_elems = Hkv * D, kv_elems = stride * slot_elems;
-  size_t page = (size_t)BASE(pages)[b * blocks + pos / stride];
-  float *slot = BASE(cache) + (page * L + l) * 2 * kv_elems + (pos % stride) * slot_elems + g * D;
-  rope(slot, BASE(knew) + (b * Hkv + g) * D, BASE(rcos) + b * (R / 2), BASE(rsin) + b * (R / 2), D, R,
-       (int)interleaved);
-  for (size_t d = 0; d < D; ++d) slot[kv_elems + d] = BASE(vnew)[(b * Hkv + g) * D + d];
+  size_t page = (size_t)pages[b * blocks + pos / stride];
+  size_t at = (page * L + l) * 2 * kv_elems + (pos % stride) * slot_elems + g * D;  // k's first element
+  float k[MAX_GD];
+  rope(k, knew + (b * Hkv + g) * D, rcos + b * (R / 2), rsin + b * (R / 2), D, R, (int)interleaved);
+  const float *v = vnew + (b * Hkv + g) * D;
+  for (size_t d = 0; d < D; ++d) {
+    if (f16) {
+      ((uint16_t *)cache)[at + d] = _cvtss_sh(k[d], _MM_FROUND_TO_NEAREST_INT);
+      ((uint16_t *)cache)[at + kv_elems + d] = _cvtss_sh(v[d], _MM_FROUND_TO_NEAREST_INT);
+    } else {
+      ((float *)cache)[at + d] = k[d];
+      ((float *)cache)[at + kv_elems + d] = v[d];
+    }
+  }
 }
+
+#define KV_WRITE_ARGS(T)                                                                                     \
+  MEMREF(const float, knew), MEMREF(const float, vnew), MEMREF(T, cache), MEMREF(const int64_t, pages),      \
+      MEMREF(const int64_t, starts), MEMREF(const int64_t, layer), MEMREF(const float, rcos),                \
+      MEMREF(const float, rsin), size_t blocks, size_t Hkv, size_t D, size_t L, size_t stride, size_t R,     \
+      size_t interleaved, size_t wg
+#define KV_WRITE(f16)                                                                                        \
+  kv_write(f16, BASE(knew), BASE(vnew), BASE(cache), BASE(pages), BASE(starts), BASE(layer), BASE(rcos),     \
+           BASE(rsin), blocks, Hkv, D, L, stride, R, interleaved, wg)
+void sharkport_decode_kv_write(KV_WRITE_ARGS(float)) { KV_WRITE(0); }
+void sharkport_decode_kv_write_f16(KV_WRITE_ARGS(uint16_t)) { KV_WRITE(1); }
 
 // Scores of one page's positions [0, n) for query head qh [D]: p[j] = scale * (qh . k[j]), k[j]
 // at k + j * slot. Eight positions at a time in eight independent multiply-add chains, whose sums
 // horizontal adds gather into one vector (was: four at a time, an `hsum` each).
-INLINE void page_scores(const float *qh, const float *k, size_t slot, size_t n, size_t D, float scale, float *p) {
+INLINE void page_scores(const int f16, const float *qh, const void *k, size_t slot, size_t n, size_t D, float scale, float *p) {
   const __m256 sc = _mm256_set1_ps(scale);
   size_t j = 0;
   for (; j + 8 <= n; j += 8) {
-    const float *kj = k + j * slot;
+    size_t kj = j * slot;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     for (size_t d = 0; d < D; d += 8) {
       __m256 qd = _mm256_loadu_ps(qh + d);
-      a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + d), a0);
-      a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + slot + d), a1);
-      a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + 2 * slot + d), a2);
-      a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + 3 * slot + d), a3);
-      a4 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + 4 * slot + d), a4);
-      a5 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + 5 * slot + d), a5);
-      a6 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + 6 * slot + d), a6);
-      a7 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + 7 * slot + d), a7);
+      a0 = _mm256_fmadd_ps(qd, load8(f16, k, kj + d), a0);
+      a1 = _mm256_fmadd_ps(qd, load8(f16, k, kj + slot + d), a1);
+      a2 = _mm256_fmadd_ps(qd, load8(f16, k, kj + 2 * slot + d), a2);
+      a3 = _mm256_fmadd_ps(qd, load8(f16, k, kj + 3 * slot + d), a3);
+      a4 = _mm256_fmadd_ps(qd, load8(f16, k, kj + 4 * slot + d), a4);
+      a5 = _mm256_fmadd_ps(qd, load8(f16, k, kj + 5 * slot + d), a5);
+      a6 = _mm256_fmadd_ps(qd, load8(f16, k, kj + 6 * slot + d), a6);
+      a7 = _mm256_fmadd_ps(qd, load8(f16, k, kj + 7 * slot + d), a7);
     }
     // two rounds of hadd leave in lane i of each 128-bit half a part of a_i's sum (u0: i < 4,
     // u1: i >= 4); adding the halves completes them
@@ -608,7 +636,7 @@ INLINE void page_scores(const float *qh, const float *k, size_t slot, size_t n, 
   }
   for (; j < n; ++j) {
     __m256 a = _mm256_setzero_ps();
-    for (size_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(k + j * slot + d), a);
+    for (size_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), load8(f16, k, j * slot + d), a);
     p[j] = hsum(a) * scale;
   }
 }
@@ -620,7 +648,7 @@ INLINE void page_scores(const float *qh, const float *k, size_t slot, size_t n, 
 
 // ah [D] = ah * rescale + sum over j < n of p[j] v[j] (v[j] at v + j * slot): 64 values of d at a
 // time in eight registers (eight independent chains), then 8.
-INLINE void page_values(float *ah, const float *p, const float *v, size_t slot, size_t n, size_t D, float rescale,
+INLINE void page_values(const int f16, float *ah, const float *p, const void *v, size_t slot, size_t n, size_t D, float rescale,
                         const char **pf, const char *pf_end) {
   const __m256 r = _mm256_set1_ps(rescale);
   size_t d = 0;
@@ -630,14 +658,14 @@ INLINE void page_values(float *ah, const float *p, const float *v, size_t slot, 
     for (size_t j = 0; j < n; ++j) {
       for (int i = 0; i < NEXT_PAGE_LINES && *pf < pf_end; ++i, *pf += 64) _mm_prefetch(*pf, _MM_HINT_T1);
       __m256 pj = _mm256_broadcast_ss(p + j);
-      const float *vj = v + j * slot + d;
-      for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * i), a[i]);
+      size_t vj = j * slot + d;
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(pj, load8(f16, v, vj + 8 * i), a[i]);
     }
     for (int i = 0; i < 8; ++i) _mm256_storeu_ps(ah + d + 8 * i, a[i]);
   }
   for (; d < D; d += 8) {
     __m256 a = _mm256_mul_ps(_mm256_loadu_ps(ah + d), r);
-    for (size_t j = 0; j < n; ++j) a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(v + j * slot + d), a);
+    for (size_t j = 0; j < n; ++j) a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), load8(f16, v, j * slot + d), a);
     _mm256_storeu_ps(ah + d, a);
   }
 }
@@ -670,39 +698,48 @@ INLINE float page_softmax(float *p, size_t n, float *run_max, float *run_sum) {
 // q [B, H D] (before rotary) attends to positions [0, len) of the cache; pages [B, blocks];
 // layer, rcos and rsin as above; out [B, H D]. MAX_GD (query heads per kv head times head_dim)
 // and MAX_STRIDE come from CFLAGS.
-void sharkport_decode_attention(MEMREF(const float, q), MEMREF(const float, cache), MEMREF(const int64_t, pages),
-                                MEMREF(const int64_t, lens), MEMREF(const int64_t, layer), MEMREF(const float, rcos),
-                                MEMREF(const float, rsin), MEMREF(float, out), size_t blocks, size_t H, size_t Hkv,
-                                size_t D, size_t L, size_t stride, size_t R, size_t interleaved, float scale,
-                                size_t wg) {
+INLINE void attention(const int f16, const float *q, const void *cache, const int64_t *pages, const int64_t *lens,
+                      const int64_t *layer, const float *rcos, const float *rsin, float *out, size_t blocks, size_t H,
+                      size_t Hkv, size_t D, size_t L, size_t stride, size_t R, size_t interleaved, float scale,
+                      size_t wg) {
   size_t b = wg / Hkv, g = wg % Hkv, G = H / Hkv;
   if (G * D > MAX_GD || stride > MAX_STRIDE || D % 8 || R > D) return;  // never traced: kernels routes only these
-  const int64_t *page_ids = BASE(pages) + b * blocks;
-  size_t len = (size_t)BASE(lens)[b], l = (size_t)BASE(layer)[0];
+  const int64_t *page_ids = pages + b * blocks;
+  size_t len = (size_t)lens[b], l = (size_t)layer[0], bytes = f16 ? 2 : 4;
   size_t slot_elems = Hkv * D, kv_elems = stride * slot_elems;  // one K (or V) of a page and layer
   float qb[MAX_GD];  // the G query heads of kv head g, rotated, [G, D]
   for (size_t h = 0; h < G; ++h)
-    rope(qb + h * D, BASE(q) + (b * H + g * G + h) * D, BASE(rcos) + b * (R / 2), BASE(rsin) + b * (R / 2), D, R,
-         (int)interleaved);
+    rope(qb + h * D, q + (b * H + g * G + h) * D, rcos + b * (R / 2), rsin + b * (R / 2), D, R, (int)interleaved);
   float acc[MAX_GD], run_max[MAX_GD / 8], run_sum[MAX_GD / 8], p[MAX_STRIDE];
   for (size_t i = 0; i < G * D; ++i) acc[i] = 0.0f;
   for (size_t h = 0; h < G; ++h) run_max[h] = -__builtin_inff(), run_sum[h] = 0.0f;
   for (size_t t0 = 0; t0 < len; t0 += stride) {
     size_t n = len - t0 < stride ? len - t0 : stride;
-    const float *page = BASE(cache) + ((size_t)page_ids[t0 / stride] * L + l) * 2 * kv_elems;
-    const float *k = page + g * D, *v = k + kv_elems;
+    const char *page = (const char *)cache + ((size_t)page_ids[t0 / stride] * L + l) * 2 * kv_elems * bytes;
+    const void *k = page + g * D * bytes, *v = page + (kv_elems + g * D) * bytes;
     const char *pf = 0, *pf_end = 0;  // the next page's K and V, prefetched along the way
     if (t0 + stride < len) {
-      pf = (const char *)(BASE(cache) + ((size_t)page_ids[t0 / stride + 1] * L + l) * 2 * kv_elems);
-      pf_end = pf + 2 * kv_elems * sizeof(float);
+      pf = (const char *)cache + ((size_t)page_ids[t0 / stride + 1] * L + l) * 2 * kv_elems * bytes;
+      pf_end = pf + 2 * kv_elems * bytes;
     }
     for (size_t h = 0; h < G; ++h) {
-      page_scores(qb + h * D, k, slot_elems, n, D, scale, p);
+      page_scores(f16, qb + h * D, k, slot_elems, n, D, scale, p);
       float rescale = page_softmax(p, n, run_max + h, run_sum + h);
-      page_values(acc + h * D, p, v, slot_elems, n, D, rescale, &pf, pf_end);
+      page_values(f16, acc + h * D, p, v, slot_elems, n, D, rescale, &pf, pf_end);
     }
   }
-  float *ob = BASE(out) + (b * H + g * G) * D;
+  float *ob = out + (b * H + g * G) * D;
   for (size_t h = 0; h < G; ++h)
     for (size_t d = 0; d < D; ++d) ob[h * D + d] = acc[h * D + d] / run_sum[h];
 }
+
+#define ATTENTION_ARGS(T)                                                                                    \
+  MEMREF(const float, q), MEMREF(const T, cache), MEMREF(const int64_t, pages), MEMREF(const int64_t, lens),  \
+      MEMREF(const int64_t, layer), MEMREF(const float, rcos), MEMREF(const float, rsin), MEMREF(float, out), \
+      size_t blocks, size_t H, size_t Hkv, size_t D, size_t L, size_t stride, size_t R, size_t interleaved,   \
+      float scale, size_t wg
+#define ATTENTION(f16)                                                                                        \
+  attention(f16, BASE(q), BASE(cache), BASE(pages), BASE(lens), BASE(layer), BASE(rcos), BASE(rsin), BASE(out), \
+            blocks, H, Hkv, D, L, stride, R, interleaved, scale, wg)
+void sharkport_decode_attention(ATTENTION_ARGS(float)) { ATTENTION(0); }
+void sharkport_decode_attention_f16(ATTENTION_ARGS(uint16_t)) { ATTENTION(1); }

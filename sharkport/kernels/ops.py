@@ -189,6 +189,7 @@ class AttentionShape:
     scale: float
     rope_dim: int = 0  # dims each head rotates (0: no rotary)
     rope_layout: str = "interleaved"  # pairs (2i, 2i+1), or "half": (i, i + rope_dim/2)
+    cache_dtype: str = "f32"  # of the cache's elements: "f32" or "f16"
 
     @property
     def scale_bits(self) -> int:
@@ -199,20 +200,30 @@ class AttentionShape:
     def name(self) -> str:
         rope = f"_r{self.rope_dim}{'i' if self.rope_layout == 'interleaved' else 'h'}" if self.rope_dim else ""
         return (f"sharkport_decode_attention_h{self.heads}_kv{self.kv_heads}_d{self.head_dim}"
-                f"_l{self.layers}_s{self.stride}_x{self.scale_bits:08x}{rope}")
+                f"_l{self.layers}_s{self.stride}_x{self.scale_bits:08x}{rope}{self.c_suffix}")
+
+    @property
+    def c_suffix(self) -> str:
+        """The C functions' suffix for the cache's element type (matvec.c)."""
+        return "" if self.cache_dtype == "f32" else f"_{self.cache_dtype}"
 
 
-# The decode attention kernels' tensor operands: (name, element type, rank). The write's cache is
-# updated in place (its result is tied to it); the attention returns a new [B, H*D].
-_KV_WRITE_ARGS = (("k", "f32", 2), ("v", "f32", 2), ("cache", "f32", 2), ("pages", "i64", 2), ("starts", "i64", 1),
-                  ("layer", "i64", 1), ("cos", "f32", 2), ("sin", "f32", 2))
-_ATTENTION_ARGS = (("q", "f32", 2), ("cache", "f32", 2), ("pages", "i64", 2), ("lens", "i64", 1),
-                   ("layer", "i64", 1), ("cos", "f32", 2), ("sin", "f32", 2))
+# The decode attention kernels' tensor operands: (name, element type, rank), the cache's element
+# type that of the shape. The write's cache is updated in place (its result is tied to it); the
+# attention returns a new [B, H*D].
+def _kv_write_args(shape: AttentionShape):
+    return (("k", "f32", 2), ("v", "f32", 2), ("cache", shape.cache_dtype, 2), ("pages", "i64", 2),
+            ("starts", "i64", 1), ("layer", "i64", 1), ("cos", "f32", 2), ("sin", "f32", 2))
+
+
+def _attention_args(shape: AttentionShape):
+    return (("q", "f32", 2), ("cache", shape.cache_dtype, 2), ("pages", "i64", 2), ("lens", "i64", 1),
+            ("layer", "i64", 1), ("cos", "f32", 2), ("sin", "f32", 2))
 
 
 def _paged_module(name: str, c_name: str, args, constants: list[tuple[str, str]], kv_heads: int,
                   in_place: bool) -> str:
-    """MLIR module text of util.func `name` over tensor operands `args` (see _ATTENTION_ARGS),
+    """MLIR module text of util.func `name` over tensor operands `args` (see _attention_args),
     dispatching C function `c_name` over B * kv_heads workgroups (B: the first operand's rows).
     The C function takes each operand's memref (and the result's, unless `in_place`), then the
     pages' columns (blocks), the `constants` (MLIR value, type) and the workgroup id. Its result
@@ -326,13 +337,14 @@ def kv_write_op(shape: AttentionShape):
     op(k [B, Hkv*D], v [B, Hkv*D], cache_state [P, page_elems], pages [B, blocks],
     start_positions [B], layer [2], cos [B, R/2], sin [B, R/2]) -> ()."""
     name = shape.name.replace("sharkport_decode_attention", "sharkport_decode_kv_write")
-    args = ", ".join(f"Tensor{'(a!)' if arg == 'cache' else ''} {arg}" for arg, _, _ in _KV_WRITE_ARGS)
+    operands = _kv_write_args(shape)
+    args = ", ".join(f"Tensor{'(a!)' if arg == 'cache' else ''} {arg}" for arg, _, _ in operands)
 
     class Op(CustomOp):
         signature = f"{name}({args}) -> ()"
 
         def select(self, ksel: KernelSelection):
-            for i, (arg, _, _) in enumerate(_KV_WRITE_ARGS):
+            for i, (arg, _, _) in enumerate(operands):
                 ksel.arg_tensor(i, inplace_tied=arg == "cache")
 
         def eager_execute(self, *args):
@@ -340,8 +352,8 @@ def kv_write_op(shape: AttentionShape):
 
         def generate(self, ksel: KernelSelection, kb: KernelBuilder):
             constants = _constants(shape, "Hkv", "D", "L", "stride", "R", "interleaved")
-            call_mlir_function(kb, name, lambda: _paged_module(name, "sharkport_decode_kv_write", _KV_WRITE_ARGS,
-                                                               constants, shape.kv_heads, in_place=True))
+            call_mlir_function(kb, name, lambda: _paged_module(name, f"sharkport_decode_kv_write{shape.c_suffix}",
+                                                               operands, constants, shape.kv_heads, in_place=True))
 
     Op.__name__ = name
     return CustomOp.register(library=_LIBRARY)(Op)
@@ -352,13 +364,14 @@ def attention_op(shape: AttentionShape):
     """The turbine op for decode attention of `shape` (one op per shape: its constants are in its
     name): op(q [B, H*D] before rotary, cache_state [P, page_elems], pages [B, blocks],
     seq_lens [B], layer [2], cos [B, R/2], sin [B, R/2]) -> [B, H*D]."""
+    operands = _attention_args(shape)
 
     class Op(CustomOp):
-        signature = f"{shape.name}({', '.join(f'Tensor {arg}' for arg, _, _ in _ATTENTION_ARGS)}) -> (Tensor)"
+        signature = f"{shape.name}({', '.join(f'Tensor {arg}' for arg, _, _ in operands)}) -> (Tensor)"
 
         def select(self, ksel: KernelSelection):
             q = ksel.arg_tensor(0)
-            for i in range(1, len(_ATTENTION_ARGS)):
+            for i in range(1, len(operands)):
                 ksel.arg_tensor(i)
             ksel.return_new_tensor(list(q.t.shape), torch.float32)
 
@@ -368,7 +381,8 @@ def attention_op(shape: AttentionShape):
         def generate(self, ksel: KernelSelection, kb: KernelBuilder):
             constants = _constants(shape, "H", "Hkv", "D", "L", "stride", "R", "interleaved", "scale")
             call_mlir_function(kb, shape.name, lambda: _paged_module(
-                shape.name, "sharkport_decode_attention", _ATTENTION_ARGS, constants, shape.kv_heads, in_place=False))
+                shape.name, f"sharkport_decode_attention{shape.c_suffix}", operands, constants, shape.kv_heads,
+                in_place=False))
 
     Op.__name__ = shape.name
     return CustomOp.register(library=_LIBRARY)(Op)
