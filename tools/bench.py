@@ -14,16 +14,17 @@ and --matvec-kernels unless --no-matvec-kernels) and compile are timed; then
 all modules are loaded together and measured in interleaved rounds, so a busy machine slows
 them alike:
 - prefill tokens/s of a 128-token prompt at batch 1;
-- decode tokens/s at batch 1 and 4 (medians over the rounds' calls, positions 128 onwards);
+- decode tokens/s at batch 1 and 4 (medians over the rounds' calls, one position a call from 128:
+  128 to 151 with the default 6 rounds);
 - the decode bandwidth limit: read bandwidth (measured once in every round; the median) ÷ bytes
   of weights read per token (every matrix once; with tied embeddings the output projection reads
   token_embd whole), for the weights as stored (the issue's target) and as float32 (what the `llvm-cpu` preset reads: it
   dequantizes and packs every weight once at load), and decode tokens/s as a share of each;
 - decode at batch 1 with 16 and 1024 pages allocated, positions 64 onwards (the first type only);
 - `transformers` eager decode (float32, its own KV cache) at batch 1, in the same rounds;
-- the KV cache is float32 unless --kv-cache-dtype float16 (as llama.cpp's: half the bytes that
-  decode attention reads, which at the positions measured are 6 to 24% of the stored weights'
-  bytes at Q4_1);
+- the KV cache is float32 unless --kv-cache-dtype float16 (as llama.cpp's): half the bytes that
+  decode attention reads, about 6.5 MB a step at the positions measured (7% of the Q4_1 weights'
+  bytes; not counted in the limits), 22 MB at 480;
 - llama.cpp's decode (batch 1 and 4) and prefill of the same model at the same types, made by its own
   quantizer, in the same rounds (tools/llamacpp_reference.py), when llama-cpp-python is installed
   (`pip install -e '.[bench]'`, built from source: see that file); its OpenMP workers wait
