@@ -317,6 +317,7 @@ def test_tiny_llama_decodes_through_the_kernels_as_transformers(kernel_module, t
         for h in hooks:
             h.remove()
 
+    tolerance = 3e-3 if cache_dtype == torch.float16 else 2e-4
     pages = np.arange(4, dtype=np.int64)[:, None] * 2 + np.arange(2)  # rows own pages 2r, 2r+1
     tokens = np.zeros((4, stride), np.int64)
     tokens[:, :prompt] = ids[:prompt]
@@ -325,7 +326,6 @@ def test_tiny_llama_decodes_through_the_kernels_as_transformers(kernel_module, t
         got = session.decode(np.full((4, 1), ids[pos]), np.full(4, pos + 1), np.full(4, pos),
                              pages[:, :pos // stride + 1].copy())
         for row in range(4):
-            tolerance = 3e-3 if cache_dtype == torch.float16 else 2e-4
             np.testing.assert_allclose(got[row, 0], want[pos], rtol=0, atol=tolerance * np.abs(want[pos]).max(),
                                        err_msg=f"position {pos}, row {row}")
 

@@ -108,6 +108,7 @@ int main(int argc, char **argv) {
   double bytes = (double)B * L * 2 * HKV * D * (F16 ? 2 : 4) * LEN, sum = 0;
   for (size_t i = 0; i < B * H * D; ++i) sum += out[i];
   printf("%s cache, B %zu, %zu positions, %zu caches, %zu threads: %.1f us a step (30 layers), %.1f GB/s of K and V"
-         " (output sum %.6f)\n", F16 ? "float16" : "float32", B, LEN, CACHES, THREADS, best * 1e6, bytes / best / 1e9, sum);
+         " (output sum %.6f)\n",
+         F16 ? "float16" : "float32", B, LEN, CACHES, THREADS, best * 1e6, bytes / best / 1e9, sum);
   return 0;
 }

@@ -218,16 +218,20 @@ def main() -> None:
     types = args.types.split(",")
     export = dataclasses.replace(EXPORT, matvec_kernels=not args.no_matvec_kernels)
     model = dataclasses.replace(MODEL, kv_cache_dtype=getattr(torch, args.kv_cache_dtype))
-    kv = "" if args.kv_cache_dtype == "float32" else "-kv-f16"  # in the names of the modules that differ
+    kv = "" if args.kv_cache_dtype == "float32" else "-kv-f16"  # in the names of the files the cache type changes
     w = args.work_dir
     w.mkdir(parents=True, exist_ok=True)
+
+    def files(t: str, *exts: str) -> list[Path]:
+        """The work dir's files of type t: the archive, and the module files, named for the cache."""
+        return [w / f"smollm2-{t}{'' if e == 'irpa' else kv}.{e}" for e in exts]
 
     cols: dict[str, dict[str, str]] = {t: {} for t in types}
     subjects: dict[str, Subject] = {}
     weights: dict[str, tuple[int, int]] = {}
     probe = BandwidthProbe()
     for t in types:
-        irpa, mlir, cfg, vmfb = (w / f"smollm2-{t}{'' if e == 'irpa' else kv}.{e}" for e in ("irpa", "mlir", "json", "vmfb"))
+        irpa, mlir, cfg, vmfb = files(t, "irpa", "mlir", "json", "vmfb")
         if not (args.reuse and irpa.exists()):
             make_archive(t, irpa)
         if not (args.reuse and vmfb.exists()):
@@ -286,7 +290,7 @@ def main() -> None:
 
     # Page count: the same module with 16 and 1024 pages allocated, alternating.
     first = types[0]
-    irpa, cfg, vmfb = (w / f"smollm2-{first}{'' if e == 'irpa' else kv}.{e}" for e in ("irpa", "json", "vmfb"))
+    irpa, cfg, vmfb = files(first, "irpa", "json", "vmfb")
     del subjects
     few, many = (Subject(vmfb, irpa, cfg, pages=n, start=64) for n in (16, 1024))
     page_times = {16: [], 1024: []}

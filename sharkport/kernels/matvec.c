@@ -610,7 +610,8 @@ void sharkport_decode_kv_write_f16(KV_WRITE_ARGS(uint16_t)) { KV_WRITE(1); }
 // Scores of one page's positions [0, n) for query head qh [D]: p[j] = scale * (qh . k[j]), k[j]
 // at k + j * slot. Eight positions at a time in eight independent multiply-add chains, whose sums
 // horizontal adds gather into one vector (was: four at a time, an `hsum` each).
-INLINE void page_scores(const int f16, const float *qh, const void *k, size_t slot, size_t n, size_t D, float scale, float *p) {
+INLINE void page_scores(const int f16, const float *qh, const void *k, size_t slot, size_t n, size_t D, float scale,
+                        float *p) {
   const __m256 sc = _mm256_set1_ps(scale);
   size_t j = 0;
   for (; j + 8 <= n; j += 8) {
@@ -648,8 +649,8 @@ INLINE void page_scores(const int f16, const float *qh, const void *k, size_t sl
 
 // ah [D] = ah * rescale + sum over j < n of p[j] v[j] (v[j] at v + j * slot): 64 values of d at a
 // time in eight registers (eight independent chains), then 8.
-INLINE void page_values(const int f16, float *ah, const float *p, const void *v, size_t slot, size_t n, size_t D, float rescale,
-                        const char **pf, const char *pf_end) {
+INLINE void page_values(const int f16, float *ah, const float *p, const void *v, size_t slot, size_t n, size_t D,
+                        float rescale, const char **pf, const char *pf_end) {
   const __m256 r = _mm256_set1_ps(rescale);
   size_t d = 0;
   for (; d + 64 <= D; d += 64) {
