@@ -47,11 +47,18 @@ def linear3(x: torch.Tensor, w0: Weight, w1: Weight, w2: Weight) -> tuple[torch.
 
 def silu_gate(x: torch.Tensor, gate: Weight, up: Weight) -> torch.Tensor:
     """silu(linear(x, gate)) * linear(x, up) (llama's SwiGLU before its down projection), in one
-    kernel dispatch where the matvec kernels apply (sharkport.kernels)."""
+    kernel dispatch where the matvec kernels apply (sharkport.kernels); over a traced dynamic
+    number of rows (prefill), silu and the multiply are a dispatch region of their own (regions)."""
     rows = x.reshape(-1, x.shape[-1])
     y = kernels.swiglu(rows, gate, up)
     if y is None:
-        return torch.nn.functional.silu(linear(x, gate)) * linear(x, up)
+        g, u = linear(rows, gate), linear(rows, up)
+        if isinstance(rows.shape[0], torch.SymInt):
+            from .regions import silu_mul  # loads turbine: only while tracing
+
+            y = silu_mul(g, u)
+        else:
+            y = torch.nn.functional.silu(g) * u
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 

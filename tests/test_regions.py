@@ -1,0 +1,79 @@
+"""SwiGLU's silu(g) * u over a dynamic number of rows (prefill) traces as a dispatch region of its
+own (sharkport.ops.regions): the exported MLIR holds the region, and the compiled module gives
+the same values, bit for bit, as the same product traced as torch ops, and torch's within float
+rounding, at several row counts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from iree.turbine import aot
+from iree.turbine.aot import FxProgramsBuilder
+
+from sharkport.compile import compile_mlir
+from sharkport.ops import silu_gate
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+
+K, N = 64, 96
+
+
+def _export(path, gate, up, plain: bool):
+    """A module with `swiglu(x [M, K]) -> [M, N]`, M dynamic: through ops.silu_gate, or (plain)
+    the same product as torch ops."""
+    fxb = FxProgramsBuilder(torch.nn.Module())
+    m = torch.export.Dim("m", min=1, max=4096)
+
+    @fxb.export_program(name="swiglu", args=(torch.zeros(8, K),), dynamic_shapes={"x": {0: m}}, strict=False)
+    def _swiglu(module, x):
+        if plain:
+            return torch.nn.functional.silu(x @ gate.t()) * (x @ up.t())
+        return silu_gate(x, gate, up)
+
+    with torch.no_grad():
+        text = str(aot.export(fxb).mlir_module)
+    path.write_text(text)
+    return text
+
+
+def _run(vmfb, x):
+    import iree.runtime as rt
+
+    config = rt.Config("local-task")
+    hal = rt.create_hal_module(config.vm_instance, config.device)
+    main = rt.VmModule.mmap(config.vm_instance, str(vmfb))
+    module = rt.load_vm_modules(hal, main, config=config)[-1]
+    return np.array(module["swiglu"](x).to_host(), copy=True)  # to_host() is a view of a buffer we drop
+
+
+@pytest.fixture(scope="module")
+def modules(tmp_path_factory):
+    root = tmp_path_factory.mktemp("regions")
+    rng = np.random.default_rng(5)
+    gate, up = (torch.from_numpy(rng.standard_normal((N, K), dtype=np.float32)) for _ in range(2))
+    out = {}
+    for name, plain in (("region", False), ("plain", True)):
+        mlir, vmfb = root / f"{name}.mlir", root / f"{name}.vmfb"
+        out[name] = _export(mlir, gate, up, plain)
+        compile_mlir(mlir, vmfb)
+        out[name + ".vmfb"] = vmfb
+    return gate, up, out
+
+
+def test_the_product_traces_as_a_region(modules):
+    _, _, out = modules
+    assert f"util.func private @sharkport_silu_mul_{N}(" in out["region"]
+    assert "flow.dispatch.region" in out["region"]
+    assert "flow.dispatch.region" not in out["plain"] and "torch.aten.silu" in out["plain"]
+
+
+@pytest.mark.parametrize("rows", [1, 7, 128, 300])
+def test_compiled_region_equals_the_traced_ops_and_torch(modules, rows):
+    gate, up, out = modules
+    x = np.random.default_rng(rows).standard_normal((rows, K), dtype=np.float32) * 2
+    got = _run(out["region.vmfb"], x)
+    np.testing.assert_array_equal(got.view(np.uint32), _run(out["plain.vmfb"], x).view(np.uint32))
+    t = torch.from_numpy(x)
+    want = (torch.nn.functional.silu(t @ gate.t()) * (t @ up.t())).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
