@@ -26,7 +26,8 @@ class _Text(impl_helper.TemplateLoader):
 
 
 def call_mlir_function(kb: KernelBuilder, name: str, text: Callable[[], str]) -> None:
-    """Yields the op's result as a call of util.func `name` on its arguments, merging the module
-    `text()` (which defines `name`) into the program the first time."""
+    """Yields the op's results as a call of util.func `name` on its tensor arguments (attributes
+    are the text's to use), merging the module `text()` (which defines `name`) into the program
+    the first time."""
     func = _Text(text).inline_template_function(kb, "", name)
-    kb.yield_results(*impl_helper.call_function(func, *kb.arg_bindings))
+    kb.yield_results(*impl_helper.call_function(func, *(b for b in kb.arg_bindings if b is not None)))

@@ -1,7 +1,11 @@
-"""SwiGLU's silu(g) * u over a dynamic number of rows (prefill) traces as a dispatch region of its
-own (sharkport.ops.regions): the exported MLIR holds the region, and the compiled module gives
-the same values, bit for bit, as the same product traced as torch ops, and torch's within float
-rounding, at several row counts."""
+"""Ops traced as dispatch regions of their own (sharkport.ops.regions).
+
+* SwiGLU's silu(g) * u over a dynamic number of rows (prefill): the exported MLIR holds the
+  region, and the compiled module gives the same values, bit for bit, as the same product traced
+  as torch ops, and torch's within float rounding, at several row counts.
+* Decode's RMSNorm, alone and after the residual add, while exporting with the matvec kernels:
+  one region each in the MLIR; compiled, transformers' LlamaRMSNorm's values within float
+  rounding at batch 1 and 4."""
 
 from __future__ import annotations
 
@@ -11,8 +15,9 @@ import torch
 from iree.turbine import aot
 from iree.turbine.aot import FxProgramsBuilder
 
+from sharkport import kernels
 from sharkport.compile import compile_mlir
-from sharkport.ops import silu_gate
+from sharkport.ops import add_rms_norm, rms_norm, silu_gate
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -77,3 +82,67 @@ def test_compiled_region_equals_the_traced_ops_and_torch(modules, rows):
     t = torch.from_numpy(x)
     want = (torch.nn.functional.silu(t @ gate.t()) * (t @ up.t())).numpy()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+E, EPS = 96, 1e-5
+
+
+@pytest.fixture(scope="module")
+def norm_module(tmp_path_factory):
+    """`norm_bs{B}(h [B, 1, E]) -> rms_norm(h)` and `add_norm_bs{B}(h, d) -> (h + d, rms_norm(h + d))`
+    for B 1 and 4, traced as the exporter traces decode (inside kernels.enabled())."""
+    root = tmp_path_factory.mktemp("norms")
+    w = torch.from_numpy(np.random.default_rng(11).uniform(0.5, 1.5, E).astype(np.float32))
+    fxb = FxProgramsBuilder(torch.nn.Module())
+    with kernels.enabled():  # programs are traced as they are declared
+        for b in (1, 4):
+            h = torch.zeros(b, 1, E)
+
+            @fxb.export_program(name=f"norm_bs{b}", args=(h,), strict=False)
+            def _norm(module, h):
+                return rms_norm(h, w, EPS)
+
+            @fxb.export_program(name=f"add_norm_bs{b}", args=(h, torch.zeros(b, 1, E)), strict=False)
+            def _add_norm(module, h, d):
+                return add_rms_norm(h, d, w, EPS)
+
+    with torch.no_grad():
+        text = str(aot.export(fxb).mlir_module)
+    mlir, vmfb = root / "norms.mlir", root / "norms.vmfb"
+    mlir.write_text(text)
+    compile_mlir(mlir, vmfb)
+    return w, text, vmfb
+
+
+def test_decode_norms_trace_as_regions(norm_module):
+    _, text, _ = norm_module
+    for b in (1, 4):
+        assert f"util.func private @sharkport_rms_norm_{b}x{E}_" in text
+        assert f"util.func private @sharkport_add_rms_norm_{b}x{E}_" in text
+    assert text.count("flow.dispatch.region") == 4 and "torch.aten.rsqrt" not in text
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_compiled_decode_norms_equal_transformers(norm_module, batch):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    import iree.runtime as rt
+
+    w, _, vmfb = norm_module
+    reference = LlamaRMSNorm(E, eps=EPS)
+    with torch.no_grad():
+        reference.weight.copy_(w)
+    rng = np.random.default_rng(batch)
+    h, d = (rng.standard_normal((batch, 1, E), dtype=np.float32) * 3 for _ in range(2))
+    small = h * 1e-3  # mean square about 1e-5: eps counts
+    config = rt.Config("local-task")
+    main = rt.VmModule.mmap(config.vm_instance, str(vmfb))
+    module = rt.load_vm_modules(rt.create_hal_module(config.vm_instance, config.device), main, config=config)[-1]
+    normed = np.array(module[f"norm_bs{batch}"](small).to_host(), copy=True)
+    added, added_normed = (np.array(r.to_host(), copy=True) for r in module[f"add_norm_bs{batch}"](h, d))
+    with torch.no_grad():
+        want = reference(torch.from_numpy(small)).numpy()
+        want_added = reference(torch.from_numpy(h + d)).numpy()
+    np.testing.assert_allclose(normed, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(added, h + d)
+    np.testing.assert_allclose(added_normed, want_added, rtol=1e-6, atol=1e-6)

@@ -75,15 +75,20 @@ def kernel_type(w) -> str | None:
     return "F16" if w.dtype == torch.float16 and w.dim() == 2 and w.shape[1] % 8 == 0 else None
 
 
+def decode_rows(x) -> bool:
+    """Whether x [M, ...] is decode's: inside `enabled()`, float32, a static M of at most MAX_ROWS.
+    Such products take the kernels, and such RMSNorms one dispatch region (ops.regions)."""
+    import torch
+
+    rows = x.shape[0]
+    return _enabled and isinstance(rows, int) and rows <= MAX_ROWS and x.dtype == torch.float32
+
+
 def _product(form: str, x, weights):
     """x [M, K] float32 times `weights` through the kernel of `form` (see kernels.ops.FORMS), or
     None where none applies: outside `enabled()`, for a dynamic or large M, other dtypes and weight
     types, matrices of different types."""
-    import torch
-
-    rows = x.shape[0]
-    if not (_enabled and isinstance(rows, int) and rows <= MAX_ROWS and x.dtype == torch.float32
-            and x.shape[1] <= MAX_K):
+    if not (decode_rows(x) and x.shape[1] <= MAX_K):
         return None
     kinds = {kernel_type(w) for w in weights}
     if len(kinds) != 1 or None in kinds:

@@ -16,7 +16,7 @@ import torch
 from ..archive import Dataset, Theta
 from ..formats.keys import LlamaHParams
 from ..layers import AttentionConfig, MixtureOfExperts, PagedAttention, PagedCache, SwiGLU
-from ..ops import embedding, linear, rms_norm, rope_angles
+from ..ops import add_rms_norm, embedding, linear, rms_norm, rope_angles
 from .base import CausalLM, ModelConfig
 
 
@@ -52,8 +52,9 @@ class Llama(CausalLM):
         hp = self.hp
         attention = PagedAttention(t, self.attention_config, self.cache, layer)
         ffn = MixtureOfExperts(t, hp.expert_count, hp.expert_used_count) if hp.expert_count else SwiGLU(t)
-        h = h + attend(attention, rms_norm(h, t["attn_norm.weight"], hp.rms_eps))
-        return h + ffn(rms_norm(h, t["ffn_norm.weight"], hp.rms_eps))
+        h, x = add_rms_norm(h, attend(attention, rms_norm(h, t["attn_norm.weight"], hp.rms_eps)),
+                            t["ffn_norm.weight"], hp.rms_eps)
+        return h + ffn(x)
 
     def _prefill_block(self, t, layer, h, cos, sin, seq_block_ids, cache_state):
         return self._block(t, layer, h, lambda attn, x: attn.prefill(x, (cos, sin), cache_state, seq_block_ids))

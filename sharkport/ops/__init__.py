@@ -75,9 +75,29 @@ def embedding(ids: torch.Tensor, w: Weight, dtype: torch.dtype) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * w over the last dim, in float32. Decode's (see
+    kernels.decode_rows) is one dispatch region (regions), not IREE's reduction and its consumer."""
+    rows = x.reshape(-1, x.shape[-1])
+    if kernels.decode_rows(rows) and w.dtype == torch.float32:
+        from .regions import rms_norm as region
+
+        return region(rows, w, eps).view(x.shape)
     x32 = cast(x, torch.float32)
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return cast(y * cast(w, torch.float32), x.dtype)
+
+
+def add_rms_norm(h: torch.Tensor, d: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + d, rms_norm(h + d, w, eps)): a residual add and the norm after it, in one dispatch
+    region for decode's rows (see rms_norm)."""
+    rows = h.reshape(-1, h.shape[-1])
+    if kernels.decode_rows(rows) and d.dtype == w.dtype == torch.float32:
+        from .regions import add_rms_norm as region
+
+        s, y = region(rows, d.reshape(rows.shape), w, eps)
+        return s.view(h.shape), y.view(h.shape)
+    s = h + d
+    return s, rms_norm(s, w, eps)
 
 
 def layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) -> torch.Tensor:
