@@ -1,0 +1,173 @@
+#!/usr/bin/env python
+"""Where a decode or prefill call of tools/bench.py's modules spends its time: `perf` samples of
+this process calling it in a loop, each sample named by the module function (IREE dispatch or
+hand-written kernel) or library it fell in. Shares are of all the process's samples (IREE's
+workers and the calling thread):
+
+    python tools/profile_step.py [--type q4_1] [--function decode|prefill] [--batch 1]
+                                 [--kv-cache-dtype float32] [--seconds 6] [--work-dir artifacts/bench]
+                                 [--mlir edited-copy-of-the-bench-module.mlir]
+
+Needs the module and archive tools/bench.py writes (run it first; `--types q4_1` for one type),
+Linux `perf` and binutils (`readelf`, `nm`). Decode runs at positions 128 to 151, as the bench's.
+
+IREE loads a module's executable (an ELF) into anonymous memory, where perf cannot name the
+functions. So the bench MLIR is compiled again with the same flags and
+--iree-hal-dump-executable-binaries-to (the same code, and a copy of the ELF); the image base is
+the start of the anonymous mappings in /proc/self/maps that hold the samples, and functions are
+named from the copy: the kernels by their symbols, IREE's dispatches by their debug info.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import Subject
+
+from sharkport.compile import compile_mlir
+
+
+def functions(elf: Path) -> list[tuple[int, int, str]]:
+    """(address, size, name) of the ELF's functions: DWARF subprograms (IREE's dispatches) and
+    symbols (the kernels), sorted."""
+    found = {}
+    info = subprocess.run(["readelf", "--debug-dump=info", str(elf)], capture_output=True, text=True,
+                          check=True).stdout
+    for entry in info.split("DW_TAG_subprogram")[1:]:
+        low = re.search(r"DW_AT_low_pc\s*:\s*(0x[0-9a-f]+)", entry)
+        size = re.search(r"DW_AT_high_pc\s*:\s*(0x[0-9a-f]+)", entry)
+        name = re.search(r"DW_AT_linkage_name\s*:.*?: (\S+)\n", entry)
+        if low and size and name and int(low.group(1), 16):
+            found[int(low.group(1), 16)] = (int(size.group(1), 16), name.group(1))
+    symbols = subprocess.run(["nm", "-S", "--defined-only", str(elf)], capture_output=True, text=True,
+                             check=True).stdout
+    for line in symbols.splitlines():
+        parts = line.split()
+        if len(parts) == 4 and parts[2].lower() == "t":
+            found[int(parts[0], 16)] = (int(parts[1], 16), parts[3])
+    return sorted((a, s, n) for a, (s, n) in found.items())
+
+
+def anonymous_mappings() -> list[tuple[int, int, str]]:
+    """(start, end, permissions) of this process's anonymous mappings."""
+    out = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 5 or (len(parts) > 5 and not parts[5].startswith(("/", "["))):
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            out.append((lo, hi, parts[1]))
+    return out
+
+
+def image_of(ips: list[int], mappings) -> tuple[int, int, int]:
+    """(image base, start, end) of the anonymous executable mapping holding the most samples; the
+    base is where the anonymous mappings contiguous with it begin (the ELF's first page)."""
+    counts = collections.Counter()
+    for ip in ips:
+        for lo, hi, perm in mappings:
+            if "x" in perm and lo <= ip < hi:
+                counts[lo, hi] += 1
+                break
+    if not counts:
+        raise SystemExit("profile_step: no samples fell in an anonymous executable mapping (the module's code)")
+    (lo, hi), _ = counts.most_common(1)[0]
+    base = lo
+    for start, end, _ in sorted(mappings, reverse=True):
+        if end == base:
+            base = start
+    return base, lo, hi
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work-dir", type=Path, default=Path("artifacts/bench"))
+    parser.add_argument("--type", default="q4_1", choices=["q4_1", "q8_0", "f16"])
+    parser.add_argument("--function", default="decode", choices=["decode", "prefill"])
+    parser.add_argument("--batch", type=int, default=1, choices=[1, 4], help="decode's batch size (default 1)")
+    parser.add_argument("--kv-cache-dtype", choices=["float32", "float16"], default="float32",
+                        help="which of the bench's modules (default float32)")
+    parser.add_argument("--mlir", type=Path, help="profile this MLIR instead of the bench's (an edited copy of it)")
+    parser.add_argument("--seconds", type=float, default=6.0, help="how long to sample (default 6)")
+    parser.add_argument("--top", type=int, default=25, help="rows to print (default 25)")
+    args = parser.parse_args()
+    for tool in ("perf", "readelf", "nm"):
+        if not shutil.which(tool):
+            raise SystemExit(f"profile_step: `{tool}` is not on PATH; install linux perf and binutils")
+    kv = "" if args.kv_cache_dtype == "float32" else "-kv-f16"
+    stem = args.work_dir / f"smollm2-{args.type}"
+    mlir, cfg, irpa = args.mlir or Path(f"{stem}{kv}.mlir"), Path(f"{stem}{kv}.json"), Path(f"{stem}.irpa")
+    for f in (mlir, cfg, irpa):
+        if not f.exists():
+            raise SystemExit(f"profile_step: {f} does not exist; make it with "
+                             f"`python tools/bench.py --types {args.type} --kv-cache-dtype {args.kv_cache_dtype}`")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        print(f"compiling {mlir} with its executable dumped ...", file=sys.stderr)
+        compile_mlir(mlir, tmp / "module.vmfb", extra_flags=[f"--iree-hal-dump-executable-binaries-to={tmp}"])
+        elf = next(tmp.glob("*.so"))
+        subject = Subject(tmp / "module.vmfb", irpa, cfg)
+
+        def call() -> float:
+            if args.function == "prefill":
+                return subject.prefill()
+            if subject.position[args.batch] >= subject.start + 24:  # positions 128 to 151, as the bench
+                subject.position[args.batch] = subject.start
+            return subject.decode(args.batch)
+
+        for _ in range(10):
+            call()
+        data = tmp / "perf.data"
+        perf = subprocess.Popen(["perf", "record", "-q", "-e", "cpu-clock", "-p", str(os.getpid()), "-o", str(data)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(0.5)  # perf attaches
+        times, start = [], time.perf_counter()
+        while time.perf_counter() - start < args.seconds:
+            times.append(call())
+        mappings = anonymous_mappings()
+        perf.send_signal(signal.SIGINT)  # perf writes its data, then dies of the signal
+        if perf.wait() not in (0, -signal.SIGINT) or not data.exists():
+            raise SystemExit("profile_step: perf record failed (is perf_event_paranoid above 1? "
+                             "try `sysctl kernel.perf_event_paranoid=1`)")
+        script = subprocess.run(["perf", "script", "-i", str(data), "-F", "ip,dso"], capture_output=True, text=True,
+                                check=True).stdout
+        samples = []
+        for line in script.splitlines():
+            parts = line.split(None, 1)
+            if len(parts) == 2:
+                samples.append((int(parts[0], 16), parts[1].strip("() ")))
+        base, lo, hi = image_of([ip for ip, _ in samples], mappings)
+        table = functions(elf)
+
+    counts = collections.Counter()
+    for ip, dso in samples:
+        if lo <= ip < hi:
+            off = ip - base
+            name = next((n for a, s, n in table if a <= off < a + s), "module: code without a symbol (static helpers)")
+        else:
+            name = f"[{Path(dso).name}]"
+        counts[name] += 1
+    what = f"{args.function} bs{args.batch}" if args.function == "decode" else "prefill of 128 tokens"
+    print(f"{args.type}{kv} {what}: median {statistics.median(times) * 1e3:.2f} ms over {len(times)} calls; "
+          f"{len(samples)} samples; share of the process's samples by function (module) or library [...]:")
+    shown = 0.0
+    for name, n in counts.most_common(args.top):
+        share = 100 * n / len(samples)
+        shown += share
+        print(f"{share:5.1f}%  {name}")
+    print(f"{100 - shown:5.1f}%  (the rest)")
+
+
+if __name__ == "__main__":
+    main()
