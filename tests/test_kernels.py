@@ -210,6 +210,52 @@ def test_decode_attention_equals_torch_sdpa(head_dim, rope_dim, layout, dtype, t
         np.testing.assert_allclose(got[b, 0], want.numpy(), rtol=0, atol=2e-6 * want.abs().max().item())
 
 
+class _PrefillAttention(torch.nn.Module):
+    def __init__(self, scale):
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, q, k, v):
+        return kernels.prefill_attention(q, k, v, self.scale)
+
+
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_prefill_attention_equals_torch_sdpa(head_dim, tmp_path):
+    """The prefill attention kernel (6 query heads on 2 kv heads, batch 2), exported once for
+    any prompt length, equals torch's causal scaled_dot_product_attention at lengths 1 to 300:
+    within one workgroup's 8 positions, across several, and beyond its 256-position chunk (the
+    running softmax). head_dim 40: the kernel's 8-value tail alone."""
+    import iree.runtime as rt
+    from iree.turbine import aot
+
+    from sharkport.compile import compile_mlir
+
+    B, H, Hkv, scale = 2, 6, 2, 0.7 / head_dim ** 0.5
+    rng = np.random.default_rng(head_dim)
+    f32 = lambda *shape: torch.from_numpy(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
+    seq = torch.export.Dim("seq", max=4096)
+    with kernels.enabled():
+        exported = aot.export(_PrefillAttention(scale), args=(f32(B, 9, H, head_dim), f32(B, 9, Hkv, head_dim),
+                                                              f32(B, 9, Hkv, head_dim)),
+                              dynamic_shapes={"q": {1: seq}, "k": {1: seq}, "v": {1: seq}}, strict_export=False)
+    mlir, vmfb = tmp_path / "m.mlir", tmp_path / "m.vmfb"
+    exported.save_mlir(mlir)
+    assert "sharkport_prefill_attention(" in mlir.read_text()
+    compile_mlir(mlir, vmfb)
+    config = rt.Config("local-task")
+    ctx = rt.SystemContext(config=config)
+    ctx.add_vm_module(rt.VmModule.mmap(config.vm_instance, str(vmfb)))
+    for S in (1, 7, 8, 37, 300):
+        q, k, v = f32(B, S, H, head_dim), f32(B, S, Hkv, head_dim), f32(B, S, Hkv, head_dim)
+        got = np.array(ctx.modules.module["main"](*(rt.asdevicearray(config.device, t.numpy()) for t in (q, k, v)))
+                       .to_host(), copy=True)
+        heads = lambda t: t.transpose(1, 2).repeat_interleave(H // Hkv, dim=1)  # noqa: E731  [B, H, S, D]
+        want = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), heads(k), heads(v),
+                                                                is_causal=True, scale=scale).transpose(1, 2)
+        np.testing.assert_allclose(got, want.numpy(), rtol=0, atol=2e-6 * want.abs().max().item(),
+                                   err_msg=f"{S} positions")
+
+
 def test_many_rows_keep_the_traced_product():
     """Beyond MAX_ROWS rows (prefill) and outside `enabled()` no kernel is used."""
     w = torch.zeros(32, 64, dtype=torch.float16)
@@ -277,8 +323,9 @@ def kernel_module(quantized_tiny, tmp_path_factory):
             mlir = (out / "m.mlir").read_text()
             cache = "_f16(" if cache_dtype == torch.float16 else "("
             for kernel in (f"sharkport_decode_kv_write{cache}", f"sharkport_decode_attention{cache}",
-                           f"sharkport_matvec_qkv_{type_name}", f"sharkport_matvec_swiglu_{type_name}"):
-                assert kernel in mlir, f"{kernel} is not called: decode took the traced form"
+                           f"sharkport_matvec_qkv_{type_name}", f"sharkport_matvec_swiglu_{type_name}",
+                           "sharkport_prefill_attention("):
+                assert kernel in mlir, f"{kernel} is not called: the traced form was taken"
             compile_mlir(out / "m.mlir", out / "m.vmfb")
             made[type_name, cache_dtype] = out / "m.vmfb", irpa, out / "m.json", gguf_path
         return made[type_name, cache_dtype]

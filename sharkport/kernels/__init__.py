@@ -1,18 +1,21 @@
-"""Hand-written CPU kernels linked into exported modules (IREE custom dispatches) for decode.
+"""Hand-written CPU kernels linked into exported modules (IREE custom dispatches): decode's
+products and attention, prefill's attention.
 
 `matvec.c` computes x [M, K] @ w[N, K].T for a few rows M reading w as stored: Q8_0, Q4_0 and
 Q4_1 planes or float16; also q, k, v of one x in one dispatch (`matvec_qkv`), SwiGLU's
-silu(x gate^T) * (x up^T) (`swiglu`), and decode attention over the paged cache with rotary and
-the new position's cache write (`decode_attention`).
+silu(x gate^T) * (x up^T) (`swiglu`), decode attention over the paged cache with rotary and the
+new position's cache write (`decode_attention`), and prefill's causal attention of the prompt to
+its own K and V (`prefill_attention`; as IREE 3.9 compiles it, about 11% of SmolLM2's prefill).
 With quantized weights it multiplies 8-bit integers, as llama.cpp does on CPUs: x is quantized
 per block of 32 values as gguf's Q8_0 quantizer does, so the product is that of the dequantized
 weights with the Q8_0-dequantized x (`quantized_x`), about 1e-3 relative from the float32
 product. IREE 3.9 generates no code that multiplies by quantized weights at memory speed
-(docs/performance.md), so with `ExportConfig.matvec_kernels` the exporter routes decode through
-these kernels: the C file is compiled by the system C compiler (`$CC`, else `cc`) for x86-64
-with AVX2, FMA and F16C into `cache_dir()`, the MLIR names the object, and iree-compile links it
-into the .vmfb (`compile_mlir` adds the search path), so iree-run-module, the runner and shortfin
-need nothing more. Products over a dynamic number of rows (prefill) keep the traced form.
+(docs/performance.md), so with `ExportConfig.matvec_kernels` the exporter routes decode (and
+prefill's attention) through these kernels: the C file is compiled by the system C compiler
+(`$CC`, else `cc`) for x86-64 with AVX2, FMA and F16C into `cache_dir()`, the MLIR names the
+object, and iree-compile links it into the .vmfb (`compile_mlir` adds the search path), so
+iree-run-module, the runner and shortfin need nothing more. Products over a dynamic number of
+rows (prefill) keep the traced form: IREE's data-tiled matmuls are fast there.
 
 Under tracing each kernel is a turbine custom op whose body is a `flow.dispatch` of a
 `stream.executable` that calls the C function once per workgroup (`kernels.ops`, loaded on use:
@@ -158,6 +161,24 @@ def decode_attention(q, k, v, cache_state, cache, layer, page_ids, start_positio
     return out.view(B, 1, H, D)
 
 
+def prefill_attention(q, k, v, scale: float | None = None, window: int = 0, logit_cap: float = 0.0):
+    """Causal attention of prefill's q [B, S, H, D] to its own k and v [B, S, Hkv, D] (all rotated)
+    by one kernel dispatch → [B, S, H, D], as ops.attention under ops.causal_mask. Returns None
+    where the kernel does not apply: outside `enabled()`, a sliding window, soft-capping, inputs
+    not in float32, D not a multiple of 8 or above MAX_GD."""
+    import torch
+
+    B, S, H, D = q.shape
+    Hkv = k.shape[2]
+    if not (_enabled and q.dtype == k.dtype == v.dtype == torch.float32 and not window and not logit_cap
+            and D % 8 == 0 and D <= MAX_GD):
+        return None
+    from .ops import PrefillShape, prefill_attention_op
+
+    op = prefill_attention_op(PrefillShape(H, Hkv, D, D ** -0.5 if scale is None else float(scale)))
+    return op(q.reshape(B, S, H * D), k.reshape(B, S, Hkv * D), v.reshape(B, S, Hkv * D)).view(B, S, H, D)
+
+
 def quantized_x(x):
     """x [..., K] as the kernels multiply it with quantized weights: each block of 32 values
     quantized as gguf's Q8_0 reference quantizer does (scale max|x| / 127, values rounded half away
@@ -223,7 +244,7 @@ def referenced_by(mlir_path: str | os.PathLike) -> bool:
     import mmap
 
     with open(mlir_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        return any(m.find(symbol) >= 0 for symbol in (b"sharkport_matvec_", b"sharkport_decode_"))
+        return any(m.find(symbol) >= 0 for symbol in (b"sharkport_matvec_", b"sharkport_decode_", b"sharkport_prefill_"))
 
 
 def compile_flags_for(mlir_path: str | os.PathLike) -> list[str]:

@@ -744,3 +744,45 @@ INLINE void attention(const int f16, const float *q, const void *cache, const in
             blocks, H, Hkv, D, L, stride, R, interleaved, scale, wg)
 void sharkport_decode_attention(ATTENTION_ARGS(float)) { ATTENTION(0); }
 void sharkport_decode_attention_f16(ATTENTION_ARGS(uint16_t)) { ATTENTION(1); }
+
+// ---- prefill attention: causal, over the prompt's own K and V ----
+
+// q [B, S, H D], k and v [B, S, Hkv D] (rotated), out [B, S, H D]: query position i of head h
+// attends to positions [0, i] of kv head h / G, as decode attention does a page at a time
+// (page_scores, page_softmax, page_values over chunks of PREFILL_CHUNK positions). Workgroup wg
+// takes batch row b, kv head g and PREFILL_ROWS query positions, the G query heads of each: their
+// K and V rows stay in cache from one query to the next. Workgroups are numbered last positions
+// first, so that the longest (their queries see the most positions) start first and the short
+// ones fill the workers' idle ends.
+#define PREFILL_ROWS 8
+#define PREFILL_CHUNK MAX_STRIDE
+INLINE void prefill_attention(const float *q, const float *k, const float *v, float *out, size_t S, size_t H,
+                              size_t Hkv, size_t D, float scale, size_t wg) {
+  size_t blocks = (S + PREFILL_ROWS - 1) / PREFILL_ROWS, G = H / Hkv;
+  if (D > MAX_GD || D % 8) return;  // never traced: kernels routes only these
+  size_t b = wg / (Hkv * blocks), g = wg / blocks % Hkv, block = blocks - 1 - wg % blocks;
+  size_t slot = Hkv * D, i1 = (block + 1) * PREFILL_ROWS < S ? (block + 1) * PREFILL_ROWS : S;
+  const float *kb = k + b * S * slot + g * D, *vb = v + b * S * slot + g * D;
+  float acc[MAX_GD], p[PREFILL_CHUNK];
+  for (size_t i = block * PREFILL_ROWS; i < i1; ++i) {
+    for (size_t h = 0; h < G; ++h) {
+      size_t at = ((b * S + i) * H + g * G + h) * D;
+      float run_max = -__builtin_inff(), run_sum = 0.0f;
+      const char *no_prefetch = 0;
+      for (size_t d = 0; d < D; ++d) acc[d] = 0.0f;
+      for (size_t t0 = 0; t0 <= i; t0 += PREFILL_CHUNK) {
+        size_t n = i + 1 - t0 < PREFILL_CHUNK ? i + 1 - t0 : PREFILL_CHUNK;
+        page_scores(0, q + at, kb + t0 * slot, slot, n, D, scale, p);
+        float rescale = page_softmax(p, n, &run_max, &run_sum);
+        page_values(0, acc, p, vb + t0 * slot, slot, n, D, rescale, &no_prefetch, 0);
+      }
+      for (size_t d = 0; d < D; ++d) out[at + d] = acc[d] / run_sum;
+    }
+  }
+}
+
+void sharkport_prefill_attention(MEMREF(const float, q), MEMREF(const float, k), MEMREF(const float, v),
+                                 MEMREF(float, out), size_t S, size_t H, size_t Hkv, size_t D, float scale,
+                                 size_t wg) {
+  prefill_attention(BASE(q), BASE(k), BASE(v), BASE(out), S, H, Hkv, D, scale, wg);
+}

@@ -386,3 +386,109 @@ def attention_op(shape: AttentionShape):
 
     Op.__name__ = shape.name
     return CustomOp.register(library=_LIBRARY)(Op)
+
+
+# ---- prefill attention over the prompt's own K and V (matvec.c's sharkport_prefill_attention) ----
+
+PREFILL_ROWS = 8  # query positions per workgroup: matvec.c's PREFILL_ROWS
+
+
+@dataclass(frozen=True)
+class PrefillShape:
+    """What a prefill attention op is specialised for (baked into its MLIR as constants)."""
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float
+
+    @property
+    def name(self) -> str:
+        bits = struct.unpack("<I", struct.pack("<f", self.scale))[0]
+        return f"sharkport_prefill_attention_h{self.heads}_kv{self.kv_heads}_d{self.head_dim}_x{bits:08x}"
+
+
+def _prefill_module(shape: PrefillShape) -> str:
+    """MLIR module text of util.func `shape.name`: q [B, S, H*D], k and v [B, S, Hkv*D] → out
+    [B, S, H*D], dispatching the C function over B * Hkv * ceil(S / PREFILL_ROWS) workgroups."""
+    name, t = shape.name, "tensor<?x?x?xf32>"
+    memref = _memref("f32")
+    scale = f"0x{struct.unpack('<I', struct.pack('<f', shape.scale))[0]:08X}"
+    return f"""
+module {{
+  stream.executable private @{name}_executable attributes {{{_objects()}}} {{
+    stream.executable.export public @{name}_entry workgroups(%b: index, %s: index) -> (index, index, index) {{
+      %c1 = arith.constant 1 : index
+      %rows = arith.constant {PREFILL_ROWS} : index
+      %hkv = arith.constant {shape.kv_heads} : index
+      %blocks = arith.ceildivui %s, %rows : index
+      %per_row = arith.muli %blocks, %hkv : index
+      %x = arith.muli %b, %per_row : index
+      stream.return %x, %c1, %c1 : index, index, index
+    }}
+    builtin.module {{
+      func.func private @sharkport_prefill_attention({memref}, {memref}, {memref}, {memref}, index, index, index, index, f32, index) attributes {{hal.import.static}}
+      func.func @{name}_entry(%bq: !stream.binding, %bk: !stream.binding, %bv: !stream.binding, %bo: !stream.binding, %nq: index, %nkv: index, %s: index) {{
+        %c0 = arith.constant 0 : index
+        %wg = hal.interface.workgroup.id[0] : index
+        %q = stream.binding.subspan %bq[%c0] : !stream.binding -> {memref}{{%nq}}
+        %k = stream.binding.subspan %bk[%c0] : !stream.binding -> {memref}{{%nkv}}
+        %v = stream.binding.subspan %bv[%c0] : !stream.binding -> {memref}{{%nkv}}
+        %o = stream.binding.subspan %bo[%c0] : !stream.binding -> {memref}{{%nq}}
+        %h = arith.constant {shape.heads} : index
+        %hkv = arith.constant {shape.kv_heads} : index
+        %d = arith.constant {shape.head_dim} : index
+        %scale = arith.constant {scale} : f32
+        func.call @sharkport_prefill_attention(%q, %k, %v, %o, %s, %h, %hkv, %d, %scale, %wg) : ({memref}, {memref}, {memref}, {memref}, index, index, index, index, f32, index) -> ()
+        return
+      }}
+    }}
+  }}
+  util.func private @{name}(%q: {t}, %k: {t}, %v: {t}) -> {t} {{
+    %c0 = arith.constant 0 : index
+    %c1 = arith.constant 1 : index
+    %c2 = arith.constant 2 : index
+    %b = tensor.dim %q, %c0 : {t}
+    %s = tensor.dim %q, %c1 : {t}
+    %hd = tensor.dim %q, %c2 : {t}
+    %kvd = tensor.dim %k, %c2 : {t}
+    %bs = arith.muli %b, %s : index
+    %nq = arith.muli %bs, %hd : index
+    %nkv = arith.muli %bs, %kvd : index
+    %y = flow.dispatch @{name}_executable::@{name}_entry[%b, %s](%q, %k, %v, %nq, %nkv, %s) : ({t}{{%b, %s, %hd}}, {t}{{%b, %s, %kvd}}, {t}{{%b, %s, %kvd}}, index, index, index) -> {t}{{%b, %s, %hd}}
+    util.return %y : {t}
+  }}
+}}"""
+
+
+def _prefill_eager(shape: PrefillShape, q, k, v) -> torch.Tensor:
+    """The attention in torch: ops.attention under a causal mask."""
+    from ..ops import attention, causal_mask
+
+    B, S, D = q.shape[0], q.shape[1], shape.head_dim
+    out = attention(q.view(B, S, shape.heads, D), k.view(B, S, shape.kv_heads, D), v.view(B, S, shape.kv_heads, D),
+                    causal_mask(S, q.dtype, q.device), shape.scale)
+    return out.reshape(B, S, shape.heads * D)
+
+
+@functools.cache
+def prefill_attention_op(shape: PrefillShape):
+    """The turbine op for causal prefill attention of `shape`: op(q [B, S, H*D], k [B, S, Hkv*D],
+    v [B, S, Hkv*D], all rotated) -> [B, S, H*D]."""
+
+    class Op(CustomOp):
+        signature = f"{shape.name}(Tensor q, Tensor k, Tensor v) -> (Tensor)"
+
+        def select(self, ksel: KernelSelection):
+            q = ksel.arg_tensor(0)
+            ksel.arg_tensor(1)
+            ksel.arg_tensor(2)
+            ksel.return_new_tensor(list(q.t.shape), torch.float32)
+
+        def eager_execute(self, q, k, v):
+            return _prefill_eager(shape, q, k, v)
+
+        def generate(self, ksel: KernelSelection, kb: KernelBuilder):
+            call_mlir_function(kb, shape.name, lambda: _prefill_module(shape))
+
+    Op.__name__ = shape.name
+    return CustomOp.register(library=_LIBRARY)(Op)

@@ -79,7 +79,11 @@ class PagedAttention(torch.nn.Module):
         q, k, v = self._qkv(x)
         q, k = self._rotated(q, k, rope)
         self.cache.write_blocks(cache_state, self.layer, k, v, seq_block_ids)
-        return self._attend(q, k, v, causal_mask(x.shape[1], q.dtype, q.device, self.config.window))
+        c = self.config
+        a = kernels.prefill_attention(q, k, v, c.scale, c.window, c.logit_cap)
+        if a is not None:  # export --matvec-kernels: one kernel dispatch
+            return self._output(a)
+        return self._attend(q, k, v, causal_mask(x.shape[1], q.dtype, q.device, c.window))
 
     def decode(self, x: torch.Tensor, rope, cache_state: torch.Tensor, seq_block_ids: torch.Tensor,
                start_positions: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
