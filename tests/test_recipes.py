@@ -14,6 +14,8 @@ the fixture GGUFs (written as llama.cpp's converter writes each architecture, ti
 * compiled (slow): one module per architecture (prefill/decode at batch 1 and 4, GGUF import),
   the same checks through IREE. Gemma-3 is compiled as `gemma3-2l` (2 layers: local, global):
   the 6-layer one, whose GGUF leaves the pattern implicit as llama.cpp does, takes 3x longer.
+  Gemma-3 is also compiled with `--matvec-kernels` (attention in hand-written kernels: its
+  own query scale and Q/K norms, the local layer's window keeping the traced form).
 """
 
 from __future__ import annotations
@@ -66,22 +68,26 @@ def recipe_irpa(recipes):
 
 @pytest.fixture(scope="session")
 def recipe_compiled(recipe_irpa):
-    """kind → (vmfb, irpa, service config): the GGUF import exported with TINY_EXPORT (batch 1
-    and 4 in one module) and compiled for the host CPU, once per session."""
+    """(kind, matvec_kernels) → (vmfb, irpa, service config): the GGUF import exported with
+    TINY_EXPORT (batch 1 and 4 in one module; with the kernels if asked, checking the prefill
+    attention kernel is called) and compiled for the host CPU, once per session."""
     from sharkport.compile import compile_mlir
     from sharkport.export import export_model, save_export
 
-    made: dict[str, tuple[Path, Path, Path]] = {}
+    made: dict[tuple[str, bool], tuple[Path, Path, Path]] = {}
 
-    def get(kind: str):
-        if kind not in made:
+    def get(kind: str, matvec_kernels: bool = False):
+        if (kind, matvec_kernels) not in made:
             irpa = recipe_irpa(kind, "gguf")
-            out = irpa.parent / "compiled"
-            output, service = export_model(Dataset.load(irpa), TINY_EXPORT)
+            out = irpa.parent / ("compiled-kernels" if matvec_kernels else "compiled")
+            config = dataclasses.replace(TINY_EXPORT, matvec_kernels=matvec_kernels)
+            output, service = export_model(Dataset.load(irpa), config)
             save_export(output, service, out / "model.mlir", out / "model.json")
+            if matvec_kernels:
+                assert "sharkport_prefill_attention(" in (out / "model.mlir").read_text()
             compile_mlir(out / "model.mlir", out / "model.vmfb")
-            made[kind] = (out / "model.vmfb", irpa, out / "model.json")
-        return made[kind]
+            made[kind, matvec_kernels] = (out / "model.vmfb", irpa, out / "model.json")
+        return made[kind, matvec_kernels]
 
     return get
 
@@ -181,15 +187,16 @@ def test_eager_hf_import_equals_gguf_import(recipe_irpa, kind):
 # ---------------------------------------------------------------------------------------------
 
 # The default suite compiles Gemma-3 (the recipe furthest from llama); the others are extended.
-COMPILED_KINDS = [pytest.param(k, id=k, marks=() if k == "gemma3-2l" else pytest.mark.extended)
+COMPILED_KINDS = [pytest.param(k, False, id=k, marks=() if k == "gemma3-2l" else pytest.mark.extended)
                   for k in ("mistral", "qwen2", "gemma3-2l", "mixtral", "gpt2")]
+COMPILED_KINDS.append(pytest.param("gemma3-2l", True, id="gemma3-2l-kernels"))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("batch", params(BATCHES))
-@pytest.mark.parametrize("kind", COMPILED_KINDS)
-def test_compiled_matches_transformers(recipes, recipe_compiled, kind, batch):
-    vmfb, irpa, config = recipe_compiled(kind)
+@pytest.mark.parametrize("kind, matvec_kernels", COMPILED_KINDS)
+def test_compiled_matches_transformers(recipes, recipe_compiled, kind, matvec_kernels, batch):
+    vmfb, irpa, config = recipe_compiled(kind, matvec_kernels)
     check_prefill_decode(IreeSession(vmfb, irpa, config, pages=PAGES), recipes[kind].hf, BATCHES[batch])
 
 
