@@ -70,12 +70,17 @@ def _compile_and_run(module, x, tmp_path):
 def test_kernel_product_equals_gguf_dequantization(kind, rows, n, k, tmp_path):
     """80 or 83 outputs: 2.5 workgroups of 32 (83: Q4 rows four at a time, then three one at a
     time); 2100: 9 workgroups of 256, the last partial. Rows of 3 blocks (a pair and an odd one)
-    or 4."""
+    or 4. The first block of each row of x is ties: half-integers under a max of 127 (scale 1), so
+    rounding half to even, not gguf's half away from zero, would move the product by whole
+    weights."""
     rng = np.random.default_rng(rows)
     raw = quantize_array(rng.standard_normal((n, k)).astype(np.float32), kind)
     w = torch.from_numpy(raw) if kind == "F16" else weight_from_raw(kind, (n, k), raw)
     dense = raw.astype(np.float64) if kind == "F16" else quants.dequantize(raw, GGMLQuantizationType[kind]).astype(np.float64)
-    x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    x[:, :32] = rng.integers(-127, 127, (rows, 32)) + 0.5
+    x[:, 0] = 127
+    x = torch.from_numpy(x)
     got = _compile_and_run(_Linear(w), x, tmp_path)
     x_seen = x.numpy() if kind == "F16" else quants.dequantize(quants.quantize(x.numpy(), GGMLQuantizationType.Q8_0),
                                                                  GGMLQuantizationType.Q8_0)

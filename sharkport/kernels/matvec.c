@@ -46,33 +46,59 @@ INLINE float half(uint16_t h) { return _cvtsh_ss(h); }
 
 // ---- x quantized in blocks of 32 (gguf's Q8_0 reference: quantize_row_q8_0_ref) ----
 
-INLINE __m256 round_half_away(__m256 v) {  // as gguf's np_roundf: floor(|v|) + floor(2 frac)
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 a = _mm256_andnot_ps(sign, v);
-  __m256 f = _mm256_floor_ps(a);
-  __m256 r = _mm256_add_ps(f, _mm256_floor_ps(_mm256_add_ps(_mm256_sub_ps(a, f), _mm256_sub_ps(a, f))));
-  return _mm256_or_ps(r, _mm256_and_ps(sign, v));
+// v rounded half away from zero, as gguf's np_roundf (floor(|v|) + floor(2 frac(|v|)), v's sign):
+// |v| + 0.49999997 (the float just below 0.5) truncated equals it for every float |v| <= 128
+// (checked over all of them; x * 127 / max |x| stays below 128), then v's sign.
+INLINE __m256i round_half_away(__m256 v) {
+  __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v);
+  __m256i r = _mm256_cvttps_epi32(_mm256_add_ps(a, _mm256_set1_ps(0.49999997f)));
+  return _mm256_sign_epi32(r, _mm256_castps_si256(v));
+}
+
+// The largest of each of 8 vectors' lanes: lane j of the result is the max of m[j]'s lanes.
+INLINE __m256 lane_max8(const __m256 m[8]) {
+  __m256 u[2];
+  for (int h = 0; h < 2; ++h) {  // u[h]: per 128-bit half, the max of that half of m[4h + 0..3]
+    const __m256 *v = m + 4 * h;
+    __m256 t0 = _mm256_max_ps(_mm256_unpacklo_ps(v[0], v[1]), _mm256_unpackhi_ps(v[0], v[1]));
+    __m256 t1 = _mm256_max_ps(_mm256_unpacklo_ps(v[2], v[3]), _mm256_unpackhi_ps(v[2], v[3]));
+    u[h] = _mm256_max_ps(_mm256_shuffle_ps(t0, t1, 0x44), _mm256_shuffle_ps(t0, t1, 0xEE));
+  }
+  return _mm256_max_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
 }
 
 // Rows x[0 .. mc) of length K = 32 B into q [mc, K] int8 and per block: scale d [mc, B] and
-// d * (sum of the block's q) in s [mc, B].
+// d * (sum of the block's q) in s [mc, B]. The blocks' scales come first, eight blocks at a time
+// (their max |x| gathered into one vector, then vector divides: scale = max / 127 and the
+// multiplier 1 / scale, 0 for a block of zeros), so that no block waits on a horizontal max and two
+// scalar divides; inv holds the multipliers.
 static void quantize_x(const float *x, size_t mc, size_t K, int8_t *q, float *d, float *s) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  size_t B = K / 32;
-  for (size_t i = 0; i < mc * B; ++i, x += 32, q += 32) {
-    __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8), v2 = _mm256_loadu_ps(x + 16),
-           v3 = _mm256_loadu_ps(x + 24);
-    __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
-                             _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    float scale = _mm_cvtss_f32(m4) / 127.0f;
-    __m256 inv = _mm256_set1_ps(scale != 0.0f ? 1.0f / scale : 0.0f);
-    __m256i i0 = _mm256_cvttps_epi32(round_half_away(_mm256_mul_ps(v0, inv)));
-    __m256i i1 = _mm256_cvttps_epi32(round_half_away(_mm256_mul_ps(v1, inv)));
-    __m256i i2 = _mm256_cvttps_epi32(round_half_away(_mm256_mul_ps(v2, inv)));
-    __m256i i3 = _mm256_cvttps_epi32(round_half_away(_mm256_mul_ps(v3, inv)));
+  size_t n = mc * (K / 32);
+  float inv[XQ_BYTES / 32];
+  for (size_t i0 = 0; i0 < n; i0 += 8) {
+    __m256 m[8];
+    for (size_t j = 0; j < 8; ++j) {
+      const float *b = x + 32 * (i0 + j < n ? i0 + j : i0);  // past the last block: the first again
+      __m256 a0 = _mm256_andnot_ps(sign, _mm256_loadu_ps(b)), a1 = _mm256_andnot_ps(sign, _mm256_loadu_ps(b + 8));
+      __m256 a2 = _mm256_andnot_ps(sign, _mm256_loadu_ps(b + 16)), a3 = _mm256_andnot_ps(sign, _mm256_loadu_ps(b + 24));
+      m[j] = _mm256_max_ps(_mm256_max_ps(a0, a1), _mm256_max_ps(a2, a3));
+    }
+    __m256 scale = _mm256_div_ps(lane_max8(m), _mm256_set1_ps(127.0f));
+    __m256 nonzero = _mm256_cmp_ps(scale, _mm256_setzero_ps(), _CMP_NEQ_OQ);
+    __m256 multiplier = _mm256_and_ps(nonzero, _mm256_div_ps(_mm256_set1_ps(1.0f), scale));
+    __m256 stored = _mm256_cvtph_ps(_mm256_cvtps_ph(scale, _MM_FROUND_TO_NEAREST_INT));  // as Q8_0 keeps it
+    float mv[8], dv[8];
+    _mm256_storeu_ps(mv, multiplier);
+    _mm256_storeu_ps(dv, stored);
+    for (size_t j = 0; j < 8 && i0 + j < n; ++j) inv[i0 + j] = mv[j], d[i0 + j] = dv[j];
+  }
+  for (size_t i = 0; i < n; ++i, x += 32, q += 32) {
+    __m256 by = _mm256_broadcast_ss(inv + i);
+    __m256i i0 = round_half_away(_mm256_mul_ps(_mm256_loadu_ps(x), by));
+    __m256i i1 = round_half_away(_mm256_mul_ps(_mm256_loadu_ps(x + 8), by));
+    __m256i i2 = round_half_away(_mm256_mul_ps(_mm256_loadu_ps(x + 16), by));
+    __m256i i3 = round_half_away(_mm256_mul_ps(_mm256_loadu_ps(x + 24), by));
     __m256i total = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
     __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
     t4 = _mm_hadd_epi32(t4, t4);
@@ -81,7 +107,6 @@ static void quantize_x(const float *x, size_t mc, size_t K, int8_t *q, float *d,
     __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
     packed = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256((__m256i *)q, packed);
-    d[i] = half(_cvtss_sh(scale, _MM_FROUND_TO_NEAREST_INT));  // stored as float16, as Q8_0 does
     s[i] = d[i] * (float)_mm_cvtsi128_si32(t4);
   }
 }
