@@ -39,6 +39,8 @@ MAX_ROWS = 8  # products over more rows of x keep the traced form (prefill, larg
 MAX_K = 32 * 512  # longest rows of w: a workgroup keeps x quantized (MAX_K bytes a row) on its stack
 # decode attention: query heads per kv head times head_dim, and positions per page, it takes
 MAX_GD, MAX_STRIDE = 2048, 256
+# prefill attention: the longest head, and query heads per kv head times head_dim, it takes
+PREFILL_MAX_D, PREFILL_MAX_GD = 256, 1024  # matvec.c's PA_MAX_D, PA_MAX_GD
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffreestanding", "-fPIC", "-fno-stack-protector",
           "-fno-asynchronous-unwind-tables", "-fno-plt", "-fvisibility=hidden", "-std=c11",
           f"-DMAX_BLOCKS={MAX_K // 32}", f"-DXQ_BYTES={MAX_K}", f"-DMAX_GD={MAX_GD}", f"-DMAX_STRIDE={MAX_STRIDE}"]
@@ -165,13 +167,13 @@ def prefill_attention(q, k, v, scale: float | None = None, window: int = 0, logi
     """Causal attention of prefill's q [B, S, H, D] to its own k and v [B, S, Hkv, D] (all rotated)
     by one kernel dispatch → [B, S, H, D], as ops.attention under ops.causal_mask. Returns None
     where the kernel does not apply: outside `enabled()`, a sliding window, soft-capping, inputs
-    not in float32, D not a multiple of 8 or above MAX_GD."""
+    not in float32, D not a multiple of 8 or above PREFILL_MAX_D, (H / Hkv) * D above PREFILL_MAX_GD."""
     import torch
 
     B, S, H, D = q.shape
     Hkv = k.shape[2]
     if not (_enabled and q.dtype == k.dtype == v.dtype == torch.float32 and not window and not logit_cap
-            and D % 8 == 0 and D <= MAX_GD):
+            and D % 8 == 0 and D <= PREFILL_MAX_D and H // Hkv * D <= PREFILL_MAX_GD):
         return None
     from .ops import PrefillShape, prefill_attention_op
 

@@ -773,37 +773,146 @@ void sharkport_decode_attention_f16(ATTENTION_ARGS(uint16_t)) { ATTENTION(1); }
 // ---- prefill attention: causal, over the prompt's own K and V ----
 
 // q [B, S, H D], k and v [B, S, Hkv D] (rotated), out [B, S, H D]: query position i of head h
-// attends to positions [0, i] of kv head h / G, as decode attention does a page at a time
-// (page_scores, page_softmax, page_values over chunks of PREFILL_CHUNK positions). Workgroup wg
-// takes batch row b, kv head g and PREFILL_ROWS query positions, the G query heads of each: their
-// K and V rows stay in cache from one query to the next. Workgroups are numbered last positions
-// first, so that the longest (their queries see the most positions) start first and the short
-// ones fill the workers' idle ends.
-#define PREFILL_ROWS 8
-#define PREFILL_CHUNK MAX_STRIDE
+// attends to positions [0, i] of kv head h / G. Workgroup wg takes batch row b, kv head g and
+// PREFILL_ROWS query positions; workgroups are numbered last positions first, so that the longest
+// (their queries see the most positions) start first and the short ones fill the workers' idle
+// ends. For each query head in turn, the workgroup walks the keys PA_CHUNK at a time with a running
+// softmax, for tiles of PA_Q consecutive positions: the chunk's K transposed once ([D][PA_CHUNK] on
+// the stack), a tile's scores are PA_Q x 16 multiply-add accumulators over d (a broadcast of q per
+// row, two loads of K^T), and its values PA_Q x 16 dims of accumulators over the chunk's keys:
+// both bound by multiply-adds, not loads, as one query at a time was.
+#define PREFILL_ROWS 12
+#define PA_Q 6
+#define PA_CHUNK 32
+#define PA_MAX_D 256
+#define PA_MAX_GD 1024  // query heads per kv head times D: acc holds all of them (48 KiB)
+_Static_assert(PREFILL_ROWS % PA_Q == 0, "a workgroup's positions are whole tiles of acc rows");
+
+// Scores of PA_Q queries qr[r] [D] against the chunk's keys kt [D][PA_CHUNK] (16 at a time),
+// scaled, into s[r][0, PA_CHUNK).
+INLINE void pa_scores(const float *const qr[PA_Q], const float *kt, size_t D, float scale, float s[PA_Q][PA_CHUNK]) {
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (size_t j = 0; j < PA_CHUNK; j += 16) {
+    __m256 a[PA_Q][2];
+    for (int r = 0; r < PA_Q; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+    for (size_t d = 0; d < D; ++d) {
+      __m256 k0 = _mm256_loadu_ps(kt + d * PA_CHUNK + j), k1 = _mm256_loadu_ps(kt + d * PA_CHUNK + j + 8);
+      for (int r = 0; r < PA_Q; ++r) {
+        __m256 qd = _mm256_broadcast_ss(qr[r] + d);
+        a[r][0] = _mm256_fmadd_ps(qd, k0, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(qd, k1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < PA_Q; ++r) {
+      _mm256_storeu_ps(s[r] + j, _mm256_mul_ps(a[r][0], sc));
+      _mm256_storeu_ps(s[r] + j + 8, _mm256_mul_ps(a[r][1], sc));
+    }
+  }
+}
+
+// Row r's running softmax over its first `seen` scores of the chunk (the rest are hidden: set to
+// 0): s[0, seen) replaced by exp(s - max), max and sum updated; returns the factor for the earlier
+// sums (1 when the row sees none of the chunk).
+INLINE float pa_softmax(float *s, size_t seen, float *run_max, float *run_sum) {
+  float m = *run_max;
+  for (size_t j = 0; j < seen; ++j) m = s[j] > m ? s[j] : m;
+  float rescale = seen ? exp_scalar(*run_max - m) : 1.0f;  // 0 on the first chunk (exp(-inf) clamps to ~0)
+  __m256 mv = _mm256_set1_ps(m), total = _mm256_setzero_ps();
+  size_t j = 0;
+  for (; j + 8 <= seen; j += 8) {
+    __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+    _mm256_storeu_ps(s + j, e);
+    total = _mm256_add_ps(total, e);
+  }
+  float sum = hsum(total);
+  for (; j < seen; ++j) sum += s[j] = exp_scalar(s[j] - m);
+  for (; j < PA_CHUNK; ++j) s[j] = 0.0f;
+  *run_max = m;
+  *run_sum = *run_sum * rescale + sum;
+  return rescale;
+}
+
+// acc[r] [D] = acc[r] * rescale[r] + sum over the chunk's first n keys of p[r][j] v[j] (v[j] at
+// v + j * slot): PA_Q rows by 16 dims of accumulators, then by 8.
+INLINE void pa_values(float *acc, const float p[PA_Q][PA_CHUNK], const float rescale[PA_Q], const float *v,
+                      size_t slot, size_t n, size_t D) {
+  size_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    __m256 a[PA_Q][2];
+    for (int r = 0; r < PA_Q; ++r) {
+      __m256 f = _mm256_set1_ps(rescale[r]);
+      a[r][0] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + d), f);
+      a[r][1] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + d + 8), f);
+    }
+    for (size_t j = 0; j < n; ++j) {
+      __m256 v0 = _mm256_loadu_ps(v + j * slot + d), v1 = _mm256_loadu_ps(v + j * slot + d + 8);
+      for (int r = 0; r < PA_Q; ++r) {
+        __m256 pr = _mm256_broadcast_ss(p[r] + j);
+        a[r][0] = _mm256_fmadd_ps(pr, v0, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(pr, v1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < PA_Q; ++r) {
+      _mm256_storeu_ps(acc + r * D + d, a[r][0]);
+      _mm256_storeu_ps(acc + r * D + d + 8, a[r][1]);
+    }
+  }
+  for (; d < D; d += 8) {
+    __m256 a[PA_Q];
+    for (int r = 0; r < PA_Q; ++r) a[r] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + d), _mm256_set1_ps(rescale[r]));
+    for (size_t j = 0; j < n; ++j) {
+      __m256 v0 = _mm256_loadu_ps(v + j * slot + d);
+      for (int r = 0; r < PA_Q; ++r) a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p[r] + j), v0, a[r]);
+    }
+    for (int r = 0; r < PA_Q; ++r) _mm256_storeu_ps(acc + r * D + d, a[r]);
+  }
+}
+
 INLINE void prefill_attention(const float *q, const float *k, const float *v, float *out, size_t S, size_t H,
                               size_t Hkv, size_t D, float scale, size_t wg) {
   size_t blocks = (S + PREFILL_ROWS - 1) / PREFILL_ROWS, G = H / Hkv;
-  if (D > MAX_GD || D % 8) return;  // never traced: kernels routes only these
+  if (D > PA_MAX_D || D % 8 || G * D > PA_MAX_GD) return;  // never traced: kernels routes only these
   size_t b = wg / (Hkv * blocks), g = wg / blocks % Hkv, block = blocks - 1 - wg % blocks;
-  size_t slot = Hkv * D, i1 = (block + 1) * PREFILL_ROWS < S ? (block + 1) * PREFILL_ROWS : S;
+  size_t slot = Hkv * D, p0 = block * PREFILL_ROWS, p1 = p0 + PREFILL_ROWS < S ? p0 + PREFILL_ROWS : S;
   const float *kb = k + b * S * slot + g * D, *vb = v + b * S * slot + g * D;
-  float acc[MAX_GD], p[PREFILL_CHUNK];
-  for (size_t i = block * PREFILL_ROWS; i < i1; ++i) {
-    for (size_t h = 0; h < G; ++h) {
-      size_t at = ((b * S + i) * H + g * G + h) * D;
-      float run_max = -__builtin_inff(), run_sum = 0.0f;
-      const char *no_prefetch = 0;
-      for (size_t d = 0; d < D; ++d) acc[d] = 0.0f;
-      for (size_t t0 = 0; t0 <= i; t0 += PREFILL_CHUNK) {
-        size_t n = i + 1 - t0 < PREFILL_CHUNK ? i + 1 - t0 : PREFILL_CHUNK;
-        page_scores(0, q + at, kb + t0 * slot, slot, n, D, scale, p);
-        float rescale = page_softmax(p, n, &run_max, &run_sum);
-        page_values(0, acc, p, vb + t0 * slot, slot, n, D, rescale, &no_prefetch, 0);
+  // acc, run_max, run_sum: per query head h and position p0 + i, at h * PREFILL_ROWS + i
+  float kt[PA_MAX_D * PA_CHUNK], s[PA_Q][PA_CHUNK], acc[PREFILL_ROWS * PA_MAX_GD];
+  float run_max[PREFILL_ROWS * PA_MAX_GD / 8], run_sum[PREFILL_ROWS * PA_MAX_GD / 8], rescale[PA_Q];
+  for (size_t i = 0; i < G * PREFILL_ROWS * D; ++i) acc[i] = 0.0f;  // a last tile's rows past p1 too
+  for (size_t i = 0; i < G * PREFILL_ROWS; ++i) run_max[i] = -__builtin_inff(), run_sum[i] = 0.0f;
+  for (size_t c0 = 0; c0 < p1; c0 += PA_CHUNK) {
+    size_t n = p1 - c0 < PA_CHUNK ? p1 - c0 : PA_CHUNK;  // keys [c0, c0 + n), K^T zero past n
+    for (size_t d = 0; d < D; ++d)
+      for (size_t j = 0; j < PA_CHUNK; ++j) kt[d * PA_CHUNK + j] = j < n ? kb[(c0 + j) * slot + d] : 0.0f;
+    for (size_t h = 0; h < G; ++h)
+      for (size_t t0 = p0; t0 < p1; t0 += PA_Q) {  // a tile: positions [t0, t0 + rows)
+        size_t rows = p1 - t0 < PA_Q ? p1 - t0 : PA_Q, at = h * PREFILL_ROWS + t0 - p0;
+        if (c0 > t0 + rows - 1) continue;  // the chunk is past all its positions
+        const float *qr[PA_Q];
+        for (size_t r = 0; r < PA_Q; ++r)  // rows past the tile repeat its last (computed, not kept)
+          qr[r] = q + ((b * S + t0 + (r < rows ? r : rows - 1)) * H + g * G + h) * D;
+        pa_scores(qr, kt, D, scale, s);
+        size_t last = 0;  // keys of the chunk the tile's last row sees
+        for (size_t r = 0; r < PA_Q; ++r) {
+          size_t pos = t0 + (r < rows ? r : rows - 1), seen = pos + 1 > c0 ? pos + 1 - c0 : 0;
+          seen = seen < n ? seen : n;
+          last = seen > last ? seen : last;
+          if (r < rows) {
+            rescale[r] = pa_softmax(s[r], seen, run_max + at + r, run_sum + at + r);
+          } else {
+            rescale[r] = 1.0f;
+            for (size_t j = 0; j < PA_CHUNK; ++j) s[r][j] = 0.0f;
+          }
+        }
+        pa_values(acc + at * D, (const float(*)[PA_CHUNK])s, rescale, vb + c0 * slot, slot, last, D);
       }
-      for (size_t d = 0; d < D; ++d) out[at + d] = acc[d] / run_sum;
-    }
   }
+  for (size_t h = 0; h < G; ++h)
+    for (size_t i = 0; i < p1 - p0; ++i) {
+      const float *a = acc + (h * PREFILL_ROWS + i) * D;
+      float *o = out + ((b * S + p0 + i) * H + g * G + h) * D;
+      for (size_t d = 0; d < D; ++d) o[d] = a[d] / run_sum[h * PREFILL_ROWS + i];
+    }
 }
 
 void sharkport_prefill_attention(MEMREF(const float, q), MEMREF(const float, k), MEMREF(const float, v),

@@ -390,7 +390,7 @@ def attention_op(shape: AttentionShape):
 
 # ---- prefill attention over the prompt's own K and V (matvec.c's sharkport_prefill_attention) ----
 
-PREFILL_ROWS = 8  # query positions per workgroup: matvec.c's PREFILL_ROWS
+PREFILL_ROWS = 12  # query positions per workgroup: matvec.c's PREFILL_ROWS
 
 
 @dataclass(frozen=True)
