@@ -810,12 +810,33 @@ INLINE void pa_scores(const float *const qr[PA_Q], const float *kt, size_t D, fl
   }
 }
 
+// K^T of 8 keys (rows of src, `stride` apart; those past `keys` read as 0) by 8 dims: dst[d][j] at
+// dst + d * PA_CHUNK + j, by an 8 x 8 transpose in registers.
+INLINE void pa_transpose8(const float *src, size_t stride, size_t keys, float *dst) {
+  __m256 r[8], t[8], u[8];
+  for (size_t j = 0; j < 8; ++j) r[j] = j < keys ? _mm256_loadu_ps(src + j * stride) : _mm256_setzero_ps();
+  for (int j = 0; j < 8; j += 2) t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]), t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
+  for (int j = 0; j < 8; j += 4) {  // u[j + i]: dims i and i + 4 of keys j .. j + 3
+    u[j] = _mm256_shuffle_ps(t[j], t[j + 2], 0x44), u[j + 1] = _mm256_shuffle_ps(t[j], t[j + 2], 0xEE);
+    u[j + 2] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0x44), u[j + 3] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(dst + i * PA_CHUNK, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * PA_CHUNK, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+  }
+}
+
 // Row r's running softmax over its first `seen` scores of the chunk (the rest are hidden: set to
 // 0): s[0, seen) replaced by exp(s - max), max and sum updated; returns the factor for the earlier
 // sums (1 when the row sees none of the chunk).
 INLINE float pa_softmax(float *s, size_t seen, float *run_max, float *run_sum) {
-  float m = *run_max;
-  for (size_t j = 0; j < seen; ++j) m = s[j] > m ? s[j] : m;
+  __m256 mx = _mm256_set1_ps(*run_max);
+  size_t i = 0;
+  for (; i + 8 <= seen; i += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + i));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  float m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  for (; i < seen; ++i) m = s[i] > m ? s[i] : m;
   float rescale = seen ? exp_scalar(*run_max - m) : 1.0f;  // 0 on the first chunk (exp(-inf) clamps to ~0)
   __m256 mv = _mm256_set1_ps(m), total = _mm256_setzero_ps();
   size_t j = 0;
@@ -882,8 +903,9 @@ INLINE void prefill_attention(const float *q, const float *k, const float *v, fl
   for (size_t i = 0; i < G * PREFILL_ROWS; ++i) run_max[i] = -__builtin_inff(), run_sum[i] = 0.0f;
   for (size_t c0 = 0; c0 < p1; c0 += PA_CHUNK) {
     size_t n = p1 - c0 < PA_CHUNK ? p1 - c0 : PA_CHUNK;  // keys [c0, c0 + n), K^T zero past n
-    for (size_t d = 0; d < D; ++d)
-      for (size_t j = 0; j < PA_CHUNK; ++j) kt[d * PA_CHUNK + j] = j < n ? kb[(c0 + j) * slot + d] : 0.0f;
+    for (size_t j = 0; j < PA_CHUNK; j += 8)
+      for (size_t d = 0; d < D; d += 8)
+        pa_transpose8(kb + (c0 + j) * slot + d, slot, n > j ? n - j : 0, kt + d * PA_CHUNK + j);
     for (size_t h = 0; h < G; ++h)
       for (size_t t0 = p0; t0 < p1; t0 += PA_Q) {  // a tile: positions [t0, t0 + rows)
         size_t rows = p1 - t0 < PA_Q ? p1 - t0 : PA_Q, at = h * PREFILL_ROWS + t0 - p0;
