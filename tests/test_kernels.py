@@ -228,8 +228,9 @@ class _PrefillAttention(torch.nn.Module):
 def test_prefill_attention_equals_torch_sdpa(head_dim, tmp_path):
     """The prefill attention kernel (6 query heads on 2 kv heads, batch 2), exported once for
     any prompt length, equals torch's causal scaled_dot_product_attention at lengths 1 to 300:
-    within one workgroup's 8 positions, across several, and beyond its 256-position chunk (the
-    running softmax). head_dim 40: the kernel's 8-value tail alone."""
+    within one workgroup's 12 positions (1, 7, 8: partial tiles of 6), across several (37), and
+    over many chunks of 32 keys (300: the running softmax). head_dim 40: blocks of 16 dims and
+    a tail of 8."""
     import iree.runtime as rt
     from iree.turbine import aot
 

@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
                              "stored (with quantized weights x is quantized to 8 bits per block of 32, as "
                              "llama.cpp does), q/k/v and gate/up each in one dispatch, rotary, the cache "
                              "write and attention over the pages in place; prefill's causal attention too. "
-                             "About 3x faster decode on llvm-cpu (SmolLM2 Q4_1 bs1 22.7 -> 6.8 ms) and 1.1x "
-                             "faster prefill (docs/performance.md). The MLIR then compiles only for x86-64 CPUs")
+                             "About 3x faster decode on llvm-cpu (SmolLM2 Q4_1 bs1 22.7 -> 6.8 ms) and 1.1 to "
+                             "1.25x faster prefill (docs/performance.md). The MLIR then compiles only for x86-64 CPUs")
     parser.add_argument("--target", choices=list(TARGETS), default="llvm-cpu",
                         help="compile target preset for --output-vmfb (default llvm-cpu: the host CPU, "
                              "weights dequantized and packed at load, 4 bytes each in memory; "

@@ -176,6 +176,11 @@ def _register(kind: str, form: str):
 OPS = {(kind, form): _register(kind, form) for kind in PLANES for form in FORMS}
 
 
+def _float_bits(value: float) -> int:
+    """A float32's bits: how the kernels' float constants are written into MLIR and names."""
+    return struct.unpack("<I", struct.pack("<f", value))[0]
+
+
 # ---- decode attention over the paged cache (matvec.c's sharkport_decode_attention) ----
 
 @dataclass(frozen=True)
@@ -194,7 +199,7 @@ class AttentionShape:
     @property
     def scale_bits(self) -> int:
         """The scale as float32 bits (as the C function receives it)."""
-        return struct.unpack("<I", struct.pack("<f", self.scale))[0]
+        return _float_bits(self.scale)
 
     @property
     def name(self) -> str:
@@ -402,9 +407,13 @@ class PrefillShape:
     scale: float
 
     @property
+    def scale_bits(self) -> int:
+        """The scale as float32 bits (as the C function receives it)."""
+        return _float_bits(self.scale)
+
+    @property
     def name(self) -> str:
-        bits = struct.unpack("<I", struct.pack("<f", self.scale))[0]
-        return f"sharkport_prefill_attention_h{self.heads}_kv{self.kv_heads}_d{self.head_dim}_x{bits:08x}"
+        return f"sharkport_prefill_attention_h{self.heads}_kv{self.kv_heads}_d{self.head_dim}_x{self.scale_bits:08x}"
 
 
 def _prefill_module(shape: PrefillShape) -> str:
@@ -412,7 +421,7 @@ def _prefill_module(shape: PrefillShape) -> str:
     [B, S, H*D], dispatching the C function over B * Hkv * ceil(S / PREFILL_ROWS) workgroups."""
     name, t = shape.name, "tensor<?x?x?xf32>"
     memref = _memref("f32")
-    scale = f"0x{struct.unpack('<I', struct.pack('<f', shape.scale))[0]:08X}"
+    scale = f"0x{shape.scale_bits:08X}"
     return f"""
 module {{
   stream.executable private @{name}_executable attributes {{{_objects()}}} {{
