@@ -8,7 +8,7 @@
 //
 //   cc -O3 -mavx2 -mfma -mf16c -ffreestanding -fPIC -std=c11 -DMAX_BLOCKS=512 -DXQ_BYTES=16384
 //      -DMAX_GD=2048 -DMAX_STRIDE=256 -c sharkport/kernels/matvec.c -o /tmp/matvec.o   (one line)
-//   cc -O2 tools/attention_harness.c /tmp/matvec.o -o /tmp/attention_harness -lpthread
+//   cc -O2 -mf16c tools/attention_harness.c /tmp/matvec.o -o /tmp/attention_harness -lpthread
 //   /tmp/attention_harness B LEN CACHES THREADS REPS [f16]        (e.g. 1 480 4 2 3)
 #include <pthread.h>
 #include <stdint.h>
