@@ -10,7 +10,9 @@ SmolLM2's feed-forward products (gate/up 1536x576, down 576x1536) at 1 and 4 row
 a barrier after each product): once with one copy of the weights (it stays in the caches), once
 with enough copies to pass the L3 (read from memory). A product that runs as fast from memory as
 from the caches is bound by its arithmetic; one much faster in the caches is bound by memory.
-The machine's read bandwidth (tools/read_bandwidth.c) is printed alongside.
+The machine's read bandwidth (tools/read_bandwidth.c) is printed alongside, and how many of the
+kernels' vector operations a core completes per ns (tools/vector_ops.c: one thread, then one per
+CPU at once), the arithmetic ceiling a product bound by its arithmetic is measured against.
 """
 
 from __future__ import annotations
@@ -33,14 +35,21 @@ BYTES_PER_WEIGHT = {"q4_1": 20 / 32, "q8_0": 34 / 32, "f16": 2.0}
 MEMORY_BYTES = 128e6  # copies of the weights that far exceed the L3
 
 
-def build(work: Path) -> Path:
+def build(work: Path) -> tuple[Path, Path]:
     cc = shutil.which(os.environ.get("CC", "cc"))
     if cc is None:
         raise SystemExit("bench_kernels: no C compiler ($CC or cc) on PATH; install gcc or clang")
-    obj, exe = work / "matvec.o", work / "matvec_harness"
+    obj, exe, ops = work / "matvec.o", work / "matvec_harness", work / "vector_ops"
     subprocess.run([cc, *CFLAGS, "-c", str(SOURCE), "-o", str(obj)], check=True)
     subprocess.run([cc, "-O2", "-pthread", str(TOOLS / "matvec_harness.c"), str(obj), "-o", str(exe)], check=True)
-    return exe
+    subprocess.run([cc, "-O2", "-mavx2", "-mfma", "-pthread", str(TOOLS / "vector_ops.c"), "-o", str(ops)], check=True)
+    return exe, ops
+
+
+def vector_ops(ops: Path, threads: int) -> dict[str, float]:
+    """Operations per ns of each kind on one core, the slowest of `threads` running at once."""
+    out = subprocess.run([str(ops), str(threads)], check=True, capture_output=True, text=True).stdout
+    return {name: float(rate) for name, rate in (line.split() for line in out.splitlines())}
 
 
 def run(exe: Path, type_name: str, rows: int, n: int, k: int, copies: int, threads: int, reps: int) -> float:
@@ -66,7 +75,10 @@ def main() -> None:
              "", "| type | product | rows of x | threads | in the caches | from memory | memory / caches |",
              "|---|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as tmp:
-        exe = build(Path(tmp))
+        exe, ops = build(Path(tmp))
+        one, every = vector_ops(ops, 1), vector_ops(ops, os.cpu_count() or 1)
+        lines[0] += ("; vector operations a core completes per ns, alone (with every CPU busy): "
+                     + ", ".join(f"{name} {rate:.1f} ({every[name]:.1f})" for name, rate in one.items()))
         for t in types:
             for name, (n, k) in SHAPES.items():
                 size = n * k * BYTES_PER_WEIGHT[t]
