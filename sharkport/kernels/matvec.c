@@ -390,6 +390,29 @@ INLINE void q4_rows4(workspace *ws, int kind, const uint8_t *qs, const uint16_t 
   }
 }
 
+// q4_rows4 for each row count MC of x, from 2 on in a function of its own: inlined into matvec,
+// whose loop over the outputs keeps its own values in registers, the loop over 2 to 8 rows of x
+// spilled more. tools/matvec_harness.c, Q4_1 1536x576, 4 rows of x, medians of 6 to 8 interleaved
+// rounds: one thread in the caches 81.6 -> 72.1 us, from memory 90.0 -> 78.1, two threads from
+// memory 54.7 -> 49.1; 1 to 3 rows the same or faster. SmolLM2 Q4_1 decode bs4 (fresh exports, 20
+// interleaved rounds each way): 12.10 -> 11.48 ms and 12.01 -> 11.49; bs1 the same.
+#define Q4_ROWS4_AT(MC, HOW)                                                                                     \
+  static HOW void q4_rows4_##MC(workspace *ws, int kind, const uint8_t *qs, const uint16_t *d, const uint16_t *m, \
+                                size_t K, float out[4][MAX_M]) {                                                 \
+    q4_rows4(ws, kind, qs, d, m, MC, K, out);                                                                    \
+  }
+Q4_ROWS4_AT(1, inline __attribute__((always_inline)))
+Q4_ROWS4_AT(2, __attribute__((noinline)))
+Q4_ROWS4_AT(3, __attribute__((noinline)))
+Q4_ROWS4_AT(4, __attribute__((noinline)))
+Q4_ROWS4_AT(5, __attribute__((noinline)))
+Q4_ROWS4_AT(6, __attribute__((noinline)))
+Q4_ROWS4_AT(7, __attribute__((noinline)))
+Q4_ROWS4_AT(8, __attribute__((noinline)))
+_Static_assert(MAX_M == 8, "a q4_rows4_<MC> for each row count of x up to MAX_M");
+#define Q4_ROWS4(MC) Q4_ROWS4_NAMED(MC)  // MC expanded before pasting: MAX_M -> 8
+#define Q4_ROWS4_NAMED(MC) q4_rows4_##MC
+
 // Calls ROW(mc as a constant) so that each row count gets its own loop with registers for its
 // accumulators.
 #define FOR_CONSTANT_MC(mc, ROW) \
@@ -483,7 +506,7 @@ INLINE void some_rows(int kind, workspace *ws, const float *x, const matrix *w, 
   const uint8_t *qn = (const uint8_t *)w->qs + n * (kind == Q8_0 ? K : K / 2);
   const uint16_t *d = w->d + n * B, *m = w->m ? w->m + n * B : 0;
   if (g == 4) {
-#define ROW(MC) q4_rows4(ws, kind, qn, d, m, MC, K, out)
+#define ROW(MC) Q4_ROWS4(MC)(ws, kind, qn, d, m, K, out)
     FOR_CONSTANT_MC(mc, ROW)
 #undef ROW
     return;
