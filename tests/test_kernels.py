@@ -392,6 +392,24 @@ def test_kernel_decode_writes_the_cache_in_place(kernel_module):
     assert large < 3 * small + 1.0, (small, large)
 
 
+def test_mlir_naming_a_kernel_object_no_longer_built_says_so(tmp_path):
+    """An MLIR exported with another version of matvec.c names that version's object (by its
+    hash), which this one does not build: compile_mlir says so in one line naming it, where
+    iree-compile would fail on the missing file, and writes nothing."""
+    from sharkport.compile import compile_mlir
+    from sharkport.errors import SharkportError
+
+    mlir, vmfb = tmp_path / "old.mlir", tmp_path / "old.vmfb"
+    mlir.write_text('// calls sharkport_matvec_q4_1\n#object = #hal.executable.object<{path = "matvec-0123456789abcdef.o"}>\n')
+    assert kernels.objects_named_by(mlir) == {"matvec-0123456789abcdef.o"}
+    with pytest.raises(SharkportError) as e:
+        compile_mlir(mlir, vmfb)
+    message = str(e.value)
+    assert "\n" not in message and str(mlir) in message and "matvec-0123456789abcdef.o" in message, message
+    assert "export the model again" in message and kernels.object_name() in message, message
+    assert not vmfb.exists()
+
+
 def test_missing_c_compiler_is_one_line(tiny, tmp_path):
     env = dict(os.environ, CC=str(tmp_path / "no-such-cc"))
     proc = subprocess.run(

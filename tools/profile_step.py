@@ -36,6 +36,7 @@ from pathlib import Path
 from bench import Subject
 
 from sharkport.compile import compile_mlir
+from sharkport.kernels import object_name, objects_named_by
 
 
 def functions(elf: Path) -> list[tuple[int, int, str]]:
@@ -112,6 +113,11 @@ def main() -> None:
             raise SystemExit(f"profile_step: {f} does not exist; make it with "
                              f"`python tools/bench.py --types {args.type} --kv-cache-dtype {args.kv_cache_dtype}`")
 
+    linked = objects_named_by(mlir)  # the MLIR names the kernels object it was exported with
+    if linked and object_name() not in linked:
+        print(f"profile_step: note: {mlir} links {', '.join(sorted(linked))}, the kernels of the matvec.c it was "
+              f"exported with, not the current one's ({object_name()}); export it again to profile the current "
+              "kernels", file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         print(f"compiling {mlir} with its executable dumped ...", file=sys.stderr)

@@ -27,6 +27,7 @@ import contextlib
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 from functools import cache
@@ -249,8 +250,26 @@ def referenced_by(mlir_path: str | os.PathLike) -> bool:
         return any(m.find(symbol) >= 0 for symbol in (b"sharkport_matvec_", b"sharkport_decode_", b"sharkport_prefill_"))
 
 
+def objects_named_by(mlir_path: str | os.PathLike) -> set[str]:
+    """The kernel objects an MLIR file links (object_name() of the matvec.c it was exported with)."""
+    import mmap
+
+    with open(mlir_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        return {name.decode() for name in re.findall(rb"matvec-[0-9a-f]{16}\.o", m)}
+
+
 def compile_flags_for(mlir_path: str | os.PathLike) -> list[str]:
-    """iree-compile flags an MLIR file needs for the kernels it calls (building their object)."""
+    """iree-compile flags an MLIR file needs for the kernels it calls (building their object).
+
+    The MLIR names its object by the hash of the matvec.c it was exported with, so it compiles
+    with those kernels, from cache_dir(), even after matvec.c changes; an object no longer there
+    (another version's, in a fresh cache) is an error naming it."""
     if os.path.getsize(mlir_path) == 0 or not referenced_by(mlir_path):
         return []
-    return [f"--iree-hal-executable-object-search-path={object_path().parent}"]
+    current = object_path()
+    for name in sorted(objects_named_by(mlir_path) - {current.name}):
+        if not (current.parent / name).exists():
+            raise SharkportError(f"{mlir_path}: it links the kernels object {name}, built from another version of "
+                                 f"{SOURCE.name} and not in {current.parent}; export the model again (this version "
+                                 f"builds {current.name})")
+    return [f"--iree-hal-executable-object-search-path={current.parent}"]
