@@ -13,7 +13,8 @@ product. IREE 3.9 generates no code that multiplies by quantized weights at memo
 (docs/performance.md), so with `ExportConfig.matvec_kernels` the exporter routes decode (and
 prefill's attention) through these kernels: the C file is compiled by the system C compiler
 (`$CC`, else `cc`) for x86-64 with AVX2, FMA and F16C into `cache_dir()`, the MLIR names the
-object, and iree-compile links it into the .vmfb (`compile_mlir` adds the search path), so
+object (`matvec-<hash of the C file and flags>.o`, so an MLIR compiles with the kernels it was
+exported with), and iree-compile links it into the .vmfb (`compile_mlir` adds the search path), so
 iree-run-module, the runner and shortfin need nothing more. Products over a dynamic number of
 rows (prefill) keep the traced form: IREE's data-tiled matmuls are fast there.
 
@@ -242,19 +243,28 @@ def object_path() -> Path:
     return obj
 
 
-def referenced_by(mlir_path: str | os.PathLike) -> bool:
-    """Whether an MLIR file calls the kernels (so iree-compile needs their object)."""
+@contextlib.contextmanager
+def _mapped(mlir_path: str | os.PathLike):
+    """An MLIR file's bytes, memory-mapped (b"" for an empty file, which mmap refuses)."""
     import mmap
 
-    with open(mlir_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+    with open(mlir_path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            yield b""
+            return
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            yield m
+
+
+def referenced_by(mlir_path: str | os.PathLike) -> bool:
+    """Whether an MLIR file calls the kernels (so iree-compile needs their object)."""
+    with _mapped(mlir_path) as m:
         return any(m.find(symbol) >= 0 for symbol in (b"sharkport_matvec_", b"sharkport_decode_", b"sharkport_prefill_"))
 
 
 def objects_named_by(mlir_path: str | os.PathLike) -> set[str]:
     """The kernel objects an MLIR file links (object_name() of the matvec.c it was exported with)."""
-    import mmap
-
-    with open(mlir_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+    with _mapped(mlir_path) as m:
         return {name.decode() for name in re.findall(rb"matvec-[0-9a-f]{16}\.o", m)}
 
 
@@ -264,7 +274,7 @@ def compile_flags_for(mlir_path: str | os.PathLike) -> list[str]:
     The MLIR names its object by the hash of the matvec.c it was exported with, so it compiles
     with those kernels, from cache_dir(), even after matvec.c changes; an object no longer there
     (another version's, in a fresh cache) is an error naming it."""
-    if os.path.getsize(mlir_path) == 0 or not referenced_by(mlir_path):
+    if not referenced_by(mlir_path):
         return []
     current = object_path()
     for name in sorted(objects_named_by(mlir_path) - {current.name}):

@@ -28,6 +28,7 @@
   T *restrict name, T *restrict name##_aligned, size_t name##_offset, size_t name##_size, size_t name##_stride
 #define BASE(name) (name##_aligned + name##_offset)  // MLIR: element i is at aligned + offset + i
 #define INLINE static inline __attribute__((always_inline))
+#define NOINLINE static __attribute__((noinline))
 // Q8_0 weights, and Q4 weights read four rows at a time (q4_rows4), are read PREFETCH bytes ahead:
 // SmolLM2 Q8_0 decode through the runner 7.40 -> 6.80 ms; Q4_1 1536x576 from memory in
 // tools/matvec_harness.c 15.5 -> 16.5 GB/s, four rows of x 7.3 -> 9.0. (F16 took 5% longer, and
@@ -397,18 +398,18 @@ INLINE void q4_rows4(workspace *ws, int kind, const uint8_t *qs, const uint16_t 
 // memory 54.7 -> 49.1; 1 to 3 rows the same or faster. SmolLM2 Q4_1 decode bs4 (fresh exports, 20
 // interleaved rounds each way): 12.10 -> 11.48 ms and 12.01 -> 11.49; bs1 the same.
 #define Q4_ROWS4_AT(MC, HOW)                                                                                     \
-  static HOW void q4_rows4_##MC(workspace *ws, int kind, const uint8_t *qs, const uint16_t *d, const uint16_t *m, \
+  HOW void q4_rows4_##MC(workspace *ws, int kind, const uint8_t *qs, const uint16_t *d, const uint16_t *m, \
                                 size_t K, float out[4][MAX_M]) {                                                 \
     q4_rows4(ws, kind, qs, d, m, MC, K, out);                                                                    \
   }
-Q4_ROWS4_AT(1, inline __attribute__((always_inline)))
-Q4_ROWS4_AT(2, __attribute__((noinline)))
-Q4_ROWS4_AT(3, __attribute__((noinline)))
-Q4_ROWS4_AT(4, __attribute__((noinline)))
-Q4_ROWS4_AT(5, __attribute__((noinline)))
-Q4_ROWS4_AT(6, __attribute__((noinline)))
-Q4_ROWS4_AT(7, __attribute__((noinline)))
-Q4_ROWS4_AT(8, __attribute__((noinline)))
+Q4_ROWS4_AT(1, INLINE)
+Q4_ROWS4_AT(2, NOINLINE)
+Q4_ROWS4_AT(3, NOINLINE)
+Q4_ROWS4_AT(4, NOINLINE)
+Q4_ROWS4_AT(5, NOINLINE)
+Q4_ROWS4_AT(6, NOINLINE)
+Q4_ROWS4_AT(7, NOINLINE)
+Q4_ROWS4_AT(8, NOINLINE)
 _Static_assert(MAX_M == 8, "a q4_rows4_<MC> for each row count of x up to MAX_M");
 #define Q4_ROWS4(MC) Q4_ROWS4_NAMED(MC)  // MC expanded before pasting: MAX_M -> 8
 #define Q4_ROWS4_NAMED(MC) q4_rows4_##MC
