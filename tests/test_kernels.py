@@ -392,6 +392,24 @@ def test_kernel_decode_writes_the_cache_in_place(kernel_module):
     assert large < 3 * small + 1.0, (small, large)
 
 
+def test_batch1_decode_copies_no_index_arguments(kernel_module):
+    """iree-compile's command buffer of decode_bs1 through the kernels copies nothing: IREE 3.9
+    copies a batch-1 call's arguments (page ids, positions, lengths) into a transient buffer before
+    each kernel dispatch that reads them unless they come from a dispatch
+    (kernels.decode_indices; 117 copy commands a SmolLM2 step without it)."""
+    from sharkport.compile import compile_flags
+
+    vmfb = kernel_module("q8_0")[0]
+    mlir = vmfb.with_suffix(".mlir")
+    vm = subprocess.run(["iree-compile", str(mlir), *compile_flags(), *kernels.compile_flags_for(mlir),
+                         "--compile-to=vm"], capture_output=True, text=True, check=True).stdout
+    start = vm.index("vm.func private @decode_bs1$async(")
+    decode = vm[start:vm.index("vm.func private", start + 1)]
+    assert decode.count("@hal.command_buffer.dispatch") > 10, "not decode's command buffer"
+    assert "@hal.command_buffer.copy_buffer" not in decode, \
+        f"{decode.count('@hal.command_buffer.copy_buffer')} copy commands in decode_bs1"
+
+
 def test_mlir_naming_a_kernel_object_no_longer_built_says_so(tmp_path):
     """An MLIR exported with another version of matvec.c names that version's object (by its
     hash), which this one does not build: compile_mlir says so in one line naming it, where

@@ -139,6 +139,7 @@ def _trace_all(fxb: FxProgramsBuilder, config: ExportConfig, program_args, trace
         return module.prefill(tokens, seq_lens, seq_block_ids, cache_state)
 
     def decode(module, tokens, seq_lens, start_positions, seq_block_ids, cache_state):
+        seq_lens, start_positions, seq_block_ids = kernels.decode_indices(seq_lens, start_positions, seq_block_ids)
         return module.decode(tokens, seq_lens, start_positions, seq_block_ids, cache_state)
 
     for kind, sizes, fn in (("prefill", config.bs_prefill, prefill), ("decode", config.bs_decode, decode)):
