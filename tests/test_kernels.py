@@ -65,14 +65,14 @@ def _compile_and_run(module, x, tmp_path):
     return np.array(out.to_host(), copy=True)
 
 
-@pytest.mark.parametrize("rows, n, k", [(1, 80, 96), (3, 83, 96), (2, 2100, 128)])
+@pytest.mark.parametrize("rows, n, k", [(1, 80, 96), (3, 83, 96), (2, 2104, 128), (8, 2100, 64)])
 @pytest.mark.parametrize("kind", KINDS)
 def test_kernel_product_equals_gguf_dequantization(kind, rows, n, k, tmp_path):
-    """80 or 83 outputs: 2.5 workgroups of 32 (83: Q4 rows four at a time, then three one at a
-    time); 2100: 9 workgroups of 256, the last partial. Rows of 3 blocks (a pair and an odd one)
-    or 4. The first block of each row of x is ties: half-integers under a max of 127 (scale 1), so
-    rounding half to even, not gguf's half away from zero, would move the product by whole
-    weights."""
+    """80 or 83 outputs: 2.5 workgroups of 32; 2104 and 2100: 9 workgroups of 256, the last
+    partial. Q4 weights of 80 and 2104 rows go interleaved eight rows at a time, those of 83 and
+    2100 one row at a time. Rows of 3 blocks (a pair and an odd one), 4 or 2. The first block of
+    each row of x is ties: half-integers under a max of 127 (scale 1), so rounding half to even,
+    not gguf's half away from zero, would move the product by whole weights."""
     rng = np.random.default_rng(rows)
     raw = quantize_array(rng.standard_normal((n, k)).astype(np.float32), kind)
     w = torch.from_numpy(raw) if kind == "F16" else weight_from_raw(kind, (n, k), raw)
@@ -107,13 +107,15 @@ class _Fused(torch.nn.Module):
         return torch.cat(ops.linear3(x, *w), dim=-1) if self.form == "qkv" else ops.silu_gate(x, *w)
 
 
-@pytest.mark.parametrize("form", ["qkv", "swiglu"])
+@pytest.mark.parametrize("form, sizes", [("qkv", [80, 42, 26]), ("qkv", [80, 48, 24]), ("swiglu", [83, 83]),
+                                         ("swiglu", [88, 88])])
 @pytest.mark.parametrize("kind", KINDS)
-def test_fused_products_equal_gguf_dequantization(kind, form, tmp_path):
-    """One dispatch for q, k, v of 80, 42 and 26 outputs (workgroups of 32 span two matrices, Q4
-    rows go four at a time within one), or for silu(x gate^T) * (x up^T)."""
+def test_fused_products_equal_gguf_dequantization(kind, form, sizes, tmp_path):
+    """One dispatch for q, k, v of 80, 42 and 26 outputs (workgroups of 32 span two matrices), or
+    for silu(x gate^T) * (x up^T). Q4 matrices whose rows are all a multiple of 8 go interleaved
+    (80, 48, 24; 88), the others one row at a time."""
     rng = np.random.default_rng(7)
-    k, sizes = 96, ([80, 42, 26] if form == "qkv" else [83, 83])
+    k = 96
     raws = [quantize_array(rng.standard_normal((n, k)).astype(np.float32), kind) for n in sizes]
     weights = [torch.from_numpy(r) if kind == "F16" else weight_from_raw(kind, (n, k), r) for n, r in zip(sizes, raws)]
     dense = [r.astype(np.float64) if kind == "F16" else quants.dequantize(r, GGMLQuantizationType[kind]).astype(np.float64)
@@ -392,22 +394,65 @@ def test_kernel_decode_writes_the_cache_in_place(kernel_module):
     assert large < 3 * small + 1.0, (small, large)
 
 
-def test_batch1_decode_copies_no_index_arguments(kernel_module):
-    """iree-compile's command buffer of decode_bs1 through the kernels copies nothing: IREE 3.9
-    copies a batch-1 call's arguments (page ids, positions, lengths) into a transient buffer before
-    each kernel dispatch that reads them unless they come from a dispatch
-    (kernels.decode_indices; 117 copy commands a SmolLM2 step without it)."""
+def _decode_bs1_commands(mlir) -> str:
+    """The VM code of decode_bs1 (its command buffer's recording) compiled from `mlir`
+    (iree-compile --compile-to=vm)."""
     from sharkport.compile import compile_flags
 
-    vmfb = kernel_module("q8_0")[0]
-    mlir = vmfb.with_suffix(".mlir")
     vm = subprocess.run(["iree-compile", str(mlir), *compile_flags(), *kernels.compile_flags_for(mlir),
                          "--compile-to=vm"], capture_output=True, text=True, check=True).stdout
     start = vm.index("vm.func private @decode_bs1$async(")
     decode = vm[start:vm.index("vm.func private", start + 1)]
     assert decode.count("@hal.command_buffer.dispatch") > 10, "not decode's command buffer"
+    return decode
+
+
+def test_batch1_decode_copies_no_index_arguments(kernel_module):
+    """iree-compile's command buffer of decode_bs1 through the kernels copies nothing: IREE 3.9
+    copies a batch-1 call's arguments (page ids, positions, lengths) into a transient buffer before
+    each kernel dispatch that reads them unless they come from a dispatch
+    (kernels.decode_indices; 117 copy commands a SmolLM2 step without it)."""
+    decode = _decode_bs1_commands(kernel_module("q8_0")[0].with_suffix(".mlir"))
     assert "@hal.command_buffer.copy_buffer" not in decode, \
         f"{decode.count('@hal.command_buffer.copy_buffer')} copy commands in decode_bs1"
+
+
+def test_q4_rows_are_interleaved_once_as_the_module_loads(kernel_module, quantized_tiny, monkeypatch, tmp_path):
+    """Q4 products read their weights with rows interleaved eight at a time (kernels.interleave_rows,
+    a transpose of each of the 15 Q4_1 parameters the kernels read): IREE hoists the transposes into
+    the module's initializer, so decode_bs1 records as many dispatches as it does when the kernels
+    read the weights as stored, not one more per parameter on every call."""
+    from sharkport.archive import Dataset
+    from sharkport.export import export_model, save_export
+
+    interleaved = kernel_module("q4_1")[0].with_suffix(".mlir")
+    assert "sharkport_matvec_qkv_q4_1x8" in interleaved.read_text()
+    monkeypatch.setattr(kernels, "INTERLEAVED", {})
+    output, service = export_model(Dataset.load(quantized_tiny("q4_1")[1]),
+                                   dataclasses.replace(TINY_EXPORT, matvec_kernels=True))
+    save_export(output, service, tmp_path / "stored.mlir", tmp_path / "stored.json")
+    assert "sharkport_matvec_qkv_q4_1(" in (tmp_path / "stored.mlir").read_text()
+    counts = [_decode_bs1_commands(m).count("@hal.command_buffer.dispatch") for m in (interleaved, tmp_path / "stored.mlir")]
+    assert counts[0] == counts[1], f"decode_bs1 dispatches: {counts[0]} interleaved, {counts[1]} as stored"
+
+
+def test_interleaved_rows_read_as_the_weights_as_stored():
+    """kernels.interleave_rows puts 4 bytes of each of eight rows' block b side by side (chunk j of
+    row r at byte 32 j + 4 r of the group's block), and the eager form of the x8 kernels (what
+    tracing falls back on outside IREE) computes the same product as the Q4 kernels' eager form."""
+    from sharkport.kernels.ops import OPS
+
+    rng = np.random.default_rng(3)
+    n, k = 16, 96
+    w = weight_from_raw("Q4_1", (n, k), quantize_array(rng.standard_normal((n, k)).astype(np.float32), "Q4_1"))
+    planes = [w.planes[p] for p in kernels.PLANES["Q4_1"]]
+    mixed = kernels.interleave_rows(planes)
+    qs, group1 = mixed[0].reshape(-1), 128 * (k // 32)  # bytes of a group of eight rows
+    assert torch.equal(qs[group1 + 2 * 128 + 32 * 3 + 4 * 5:][:4], planes[0][8 + 5, 2, 12:16])  # row 13, block 2, chunk 3
+    assert torch.equal(mixed[1].reshape(-1)[8 * 2 + 6], planes[1][6, 2])  # row 6's scale of block 2
+    assert all(torch.equal(a, b) for a, b in zip(kernels.deinterleave_rows(mixed), planes))
+    x = torch.from_numpy(rng.standard_normal((2, k)).astype(np.float32))
+    torch.testing.assert_close(OPS["Q4_1X8", "matvec"](x, *mixed), OPS["Q4_1", "matvec"](x, *planes), rtol=0, atol=0)
 
 
 def test_mlir_naming_a_kernel_object_no_longer_built_says_so(tmp_path):

@@ -1,6 +1,7 @@
 // Matrix-vector products that read weights as stored (sharkport.kernels): y[m, n] = sum_k
 // x[m, k] * w[n, k] for a few rows m of float32 activations, with w in ggml's Q8_0, Q4_0 or Q4_1
-// planes (see sharkport.quant) or in float16. Compiled by the system C compiler into an object
+// planes (see sharkport.quant; Q4 also with rows interleaved eight at a time, see q4_x8) or in
+// float16. Compiled by the system C compiler into an object
 // that iree-compile links into the module (an IREE "custom dispatch"), so it must stay
 // freestanding: no libc, no globals, no thread-local state.
 //
@@ -29,10 +30,10 @@
 #define BASE(name) (name##_aligned + name##_offset)  // MLIR: element i is at aligned + offset + i
 #define INLINE static inline __attribute__((always_inline))
 #define NOINLINE static __attribute__((noinline))
-// Q8_0 weights, and Q4 weights read four rows at a time (q4_rows4), are read PREFETCH bytes ahead:
-// SmolLM2 Q8_0 decode through the runner 7.40 -> 6.80 ms; Q4_1 1536x576 from memory in
-// tools/matvec_harness.c 15.5 -> 16.5 GB/s, four rows of x 7.3 -> 9.0. (F16 took 5% longer, and
-// Q4 one row at a time gained nothing.)
+// Q8_0 weights, and Q4 weights interleaved eight rows at a time (q4_x8), are read PREFETCH bytes
+// ahead: SmolLM2 Q8_0 decode through the runner 7.40 -> 6.80 ms; Q4_1 four rows at a time (the
+// loop q4_x8 replaced) 1536x576 from memory in tools/matvec_harness.c 15.5 -> 16.5 GB/s, four rows
+// of x 7.3 -> 9.0. (F16 took 5% longer, and Q4 one row at a time gained nothing.)
 #define PREFETCH 2048
 #define PREFETCH_LINE(p) _mm_prefetch((const char *)(p) + PREFETCH, _MM_HINT_T0)
 
@@ -129,15 +130,9 @@ static void pair_blocks(int8_t *q, size_t mc, size_t K) {
 
 // Workspace of one workgroup: its rows of x quantized (q, with per block the scale xd and
 // xd * sum of q, xs), and for the row of w at hand the products of its block scales with x's (cs).
-// For Q4 weights four rows at a time (rows of up to FOUR_ROWS_MAX_BLOCKS blocks, see q4_rows4)
-// also x's block scales and sums per pair of blocks, each repeated over four lanes (xdp, xsp: 8
-// floats a pair), and those of the four rows of w at hand (wdp, wmp).
-#define FOUR_ROWS_MAX_BLOCKS 20
-#define PAIRS (FOUR_ROWS_MAX_BLOCKS / 2 + 1)  // pairs of blocks of a row, an odd last block its own
 typedef struct {
   int8_t q[XQ_BYTES];
   float xd[XQ_BYTES / 32], xs[XQ_BYTES / 32], cs[XQ_BYTES / 32];
-  float xdp[8 * MAX_M * PAIRS], xsp[8 * MAX_M * PAIRS], wdp[8 * PAIRS], wmp[8 * PAIRS];
 } workspace;
 
 // Rows of x a workgroup quantizes at a time: all of them (up to MAX_M) if they fit.
@@ -146,7 +141,9 @@ INLINE size_t chunk_rows(size_t M, size_t m0, size_t K) {
   return mc < fit ? mc : fit;
 }
 
-enum { Q8_0, Q4_0, Q4_1 };
+// Weight types: as stored (a Q4 w of a row count not a multiple of 8 is multiplied a row at a
+// time), and Q4 with rows interleaved eight at a time (q4_x8); F16 after these.
+enum { Q8_0, Q4_0, Q4_1, Q4_0X8, Q4_1X8 };
 
 // For one row of w with block scales d (and offsets m, Q4_1): cs[i, b] = d[b] xd[i, b] for the
 // MC rows i of x, and in off[i] the offset term: sum over blocks of the block's offset (Q4_0:
@@ -261,158 +258,93 @@ INLINE void q_row(workspace *ws, int kind, const void *qn, const uint16_t *d, co
   }
 }
 
-// ---- Four rows of a Q4 w at a time ----
+// ---- Q4 weights with their rows interleaved eight at a time ("x8") ----
 //
-// A row of w at a time spends on each row a fixed cost (its scales, the sums of its lanes) that
-// rivals its blocks' products when rows are short (SmolLM2: 18 blocks). Four rows at a time meet
-// in lanes instead: after each row's two `maddubs` of a pair of blocks (16 sums of 16 bits, lanes
-// 0..7 block 2p, 8..15 block 2p + 1), two rounds of `hadd` add neighbouring lanes across the four
-// rows (|.| <= 4 * 2 * 2 * 15 * 127 < 2^15) and one `madd` completes the blocks' sums, so that a
-// single vector holds block 2p of rows 0..3 in lanes 0..3 and block 2p + 1 in lanes 4..7. One
-// conversion and two multiply-adds then scale it by the blocks' scales and add their offsets.
-// The lanes of a row are added once at the end.
-// tools/matvec_harness.c, Q4_1, 2 threads, side by side on a busy host, GB/s of weights in the
-// caches / from memory, one row of x: 1536x576 12.0 -> 18.2 / 9.8 -> 11.6, 49152x576
-// 13.6 -> 19.5 / 13.3 -> 16.1; four rows of x, 1536x576: 6.3 -> 7.7 / 7.0 -> 8.3. Rows of more
-// blocks keep one row at a time: read from memory, four rows at a time ran slower from 768 values
-// a row on (576x1536 16.2 -> 13.0 GB/s, 640x2048 14.3 -> 10.9; 640 values: 2048x640 12.6 -> 13.9),
-// hence FOUR_ROWS_MAX_BLOCKS.
+// Read as stored, a row of a Q4 w at a time spends on each row a fixed cost (its scales, the sum
+// of its lanes) that rivals its blocks' products when rows are short (SmolLM2: 18 blocks), and
+// rows read together meet in lanes only through `hadd`s, which this CPU issues at a quarter of
+// the rate of `maddubs`. So the module multiplies by a copy of each Q4 matrix whose rows are
+// interleaved in groups of eight (sharkport.kernels.interleave_rows, computed once as the module
+// loads): per group and block b, 128 bytes hold 4 bytes of each of the eight rows' 16, chunk j
+// (bytes 4j .. 4j + 3 of each row) at 32 j, row r's at 32 j + 4 r; the scales (and offsets) of
+// block b are the eight rows' in a row. One 32-byte load is then 4 bytes of each of eight rows, and
+// its low nibbles (values 4j .. 4j + 3) and high nibbles (values 16 + 4j ..) meet x's four values
+// broadcast to every lane: after the block's 8 `maddubs`, each row's sums lie in its own two
+// 16-bit lanes (|.| <= 8 * 2 * 15 * 127 < 2^15), one `madd` completes them, and lane r of one
+// vector is row r's block sum: no horizontal adds, no per-row work, and the eight outputs come out
+// as a vector.
+// tools/matvec_harness.c (q4_1 against q4_1x8), Q4_1 1536x576, medians of 5 to 7 interleaved
+// rounds on a busy host, us a product: one row of x in the caches, one thread 29.3 -> 19.2; from
+// memory, two threads 22.7 -> 18.4 (576x1536: 26.2 -> 19.3); four rows of x in the caches, one
+// thread 71.6 -> 49.2; from memory, two threads 107.9 -> 79.3 and 109.4 -> 76.2 (576x1536:
+// 128.9 -> 99.8). The loop's sums are pinned to registers: left free, gcc turned each block's
+// sums into a tree of adds whose terms spilled (four rows of x: 64 us, against 49).
 
-// Per pair p of x's blocks (rows i of x): xdp [i][p] = (xd[2p] x 4, xd[2p + 1] x 4), and the same
-// of xs in xsp. An odd last block b is an entry of its own: (xd[b] x 8) and (xs[b] x 4, 0 x 4), as
-// its sums lie in both halves of the vector (values 0..15 in lanes 0..3, 16..31 in 4..7) and its
-// offset is added once.
-static void x_pair_scales(workspace *ws, size_t mc, size_t B) {
-  size_t P = (B + 1) / 2;
-  for (size_t i = 0; i < mc; ++i)
-    for (size_t p = 0; p < P; ++p) {
-      size_t a = i * B + 2 * p, odd = 2 * p + 1 == B;
-      float *xd = ws->xdp + 8 * (i * P + p), *xs = ws->xsp + 8 * (i * P + p);
-      for (size_t l = 0; l < 8; ++l) {
-        xd[l] = ws->xd[a + (odd ? 0 : l / 4)];
-        xs[l] = odd ? (l < 4 ? ws->xs[a] : 0.0f) : ws->xs[a + l / 4];
+INLINE __m256i broadcast4(const int8_t *p) {  // 4 bytes at p in each 32-bit lane
+  int32_t v;
+  __builtin_memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Rows 0..7 of an x8 group (blocks at qs, scales d and offsets m, 8 per block) times MC rows of x
+// (quantized in ws, blocks in order): out[r][i].
+INLINE void q4_x8(const workspace *ws, int kind, const uint8_t *qs, const uint16_t *d, const uint16_t *m, size_t MC,
+                  size_t K, float out[8][MAX_M]) {
+  size_t B = K / 32;
+  const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  __m256 acc[MAX_M];
+  for (size_t i = 0; i < MC; ++i) acc[i] = _mm256_setzero_ps();
+  for (size_t b = 0; b < B; ++b, qs += 128) {
+    PREFETCH_LINE(qs);
+    PREFETCH_LINE(qs + 64);
+    __m256i s[MAX_M];
+    for (size_t i = 0; i < MC; ++i) s[i] = _mm256_setzero_si256();
+    for (size_t j = 0; j < 4; ++j) {
+      __m256i v = load32(qs + 32 * j);
+      __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      for (size_t i = 0; i < MC; ++i) {
+        const int8_t *xq = ws->q + i * K + 32 * b + 4 * j;
+        s[i] = _mm256_add_epi16(s[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xq)),
+                                                       _mm256_maddubs_epi16(hi, broadcast4(xq + 16))));
+        __asm__("" : "+x"(s[i]));  // kept in a register, the adds in this order (see above)
       }
     }
-}
-
-// Scales (or offsets) of rows 0..3 of a plane (B float16 values a row) per pair of blocks p as 8
-// floats in out[p]: block 2p of rows 0..3, block 2p + 1 of rows 0..3 (an odd last block: its rows
-// twice). Rows' values are interleaved by unpacking: eight blocks at a time, then a pair at a time.
-INLINE __m256 interleaved_pair(__m128i r0, __m128i r1, __m128i r2, __m128i r3) {  // pair 0 of each r
-  return _mm256_cvtph_ps(_mm_unpacklo_epi32(_mm_unpacklo_epi16(r0, r1), _mm_unpacklo_epi16(r2, r3)));
-}
-
-INLINE __m128i pair_at(const uint16_t *v, size_t B, size_t b) {  // blocks b, b + 1 (0 past B) of a row
-  uint32_t u = v[b];
-  if (b + 1 < B) __builtin_memcpy(&u, v + b, 4);
-  return _mm_cvtsi32_si128((int)u);
-}
-
-INLINE void rows4_pair_scales(const uint16_t *v, size_t B, float *out) {
-  size_t b = 0;
-  for (; b + 8 <= B; b += 8, out += 32) {
-    __m128i r[4];
-    for (size_t k = 0; k < 4; ++k) r[k] = _mm_loadu_si128((const __m128i *)(v + k * B + b));
-    _mm256_storeu_ps(out, interleaved_pair(r[0], r[1], r[2], r[3]));
-    for (size_t k = 0; k < 4; ++k) r[k] = _mm_srli_si128(r[k], 4);
-    _mm256_storeu_ps(out + 8, interleaved_pair(r[0], r[1], r[2], r[3]));
-    for (size_t k = 0; k < 4; ++k) r[k] = _mm_srli_si128(r[k], 4);
-    _mm256_storeu_ps(out + 16, interleaved_pair(r[0], r[1], r[2], r[3]));
-    for (size_t k = 0; k < 4; ++k) r[k] = _mm_srli_si128(r[k], 4);
-    _mm256_storeu_ps(out + 24, interleaved_pair(r[0], r[1], r[2], r[3]));
-  }
-  for (; b < B; b += 2, out += 8) {
-    __m256 f = interleaved_pair(pair_at(v, B, b), pair_at(v + B, B, b), pair_at(v + 2 * B, B, b),
-                                pair_at(v + 3 * B, B, b));
-    _mm256_storeu_ps(out, b + 1 < B ? f : _mm256_permute2f128_ps(f, f, 0x00));
-  }
-}
-
-// The 16-bit sums s[r] of rows 0..3 (lanes 0..7 one block, 8..15 the next) added up per row and
-// block, scaled by the blocks' scales dv times x's xd, into acc; their offsets mv times x's xs
-// into off.
-INLINE void rows4_add(const __m256i s[4], __m256 dv, __m256 mv, const float *xd, const float *xs, __m256 *acc,
-                      __m256 *off) {
-  __m256i h = _mm256_hadd_epi16(_mm256_hadd_epi16(s[0], s[1]), _mm256_hadd_epi16(s[2], s[3]));
-  __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(h, _mm256_set1_epi16(1)));
-  *acc = _mm256_fmadd_ps(sums, _mm256_mul_ps(dv, _mm256_loadu_ps(xd)), *acc);
-  *off = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs), *off);
-}
-
-// Rows 0..3 of a Q4 w (blocks at qs, K / 2 bytes a row; scales d and offsets m, B a row) times MC
-// rows of x: out[r][i].
-INLINE void q4_rows4(workspace *ws, int kind, const uint8_t *qs, const uint16_t *d, const uint16_t *m, size_t MC,
-                     size_t K, float out[4][MAX_M]) {
-  size_t B = K / 32, P = (B + 1) / 2, pairs = B / 2;
-  rows4_pair_scales(d, B, ws->wdp);
-  if (kind == Q4_1)
-    rows4_pair_scales(m, B, ws->wmp);
-  else
-    for (size_t p = 0; p < P; ++p)
-      _mm256_storeu_ps(ws->wmp + 8 * p, _mm256_mul_ps(_mm256_loadu_ps(ws->wdp + 8 * p), _mm256_set1_ps(-8.0f)));
-  const __m256i low4 = _mm256_set1_epi8(15);
-  const size_t row = K / 2;
-  __m256 acc[MC], off[MC];
-  for (size_t i = 0; i < MC; ++i) acc[i] = off[i] = _mm256_setzero_ps();
-  for (size_t p = 0; p < pairs; ++p) {
-    // PREFETCH bytes ahead, two lines a pair (the four rows' blocks lie in 128 * pairs bytes)
-    PREFETCH_LINE(qs + 128 * p);
-    PREFETCH_LINE(qs + 128 * p + 64);
-    __m256i lo[4], hi[4];
-    for (size_t r = 0; r < 4; ++r) {
-      __m256i v = load32(qs + r * row + 32 * p);
-      lo[r] = _mm256_and_si256(v, low4), hi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-    }
-    __m256 dv = _mm256_loadu_ps(ws->wdp + 8 * p), mv = _mm256_loadu_ps(ws->wmp + 8 * p);
+    __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + 8 * b)));
+    __m256 mv = kind == Q4_1X8 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + 8 * b)))
+                               : _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f));
     for (size_t i = 0; i < MC; ++i) {
-      const int8_t *xq = ws->q + i * K + 64 * p;
-      __m256i xl = load32(xq), xh = load32(xq + 32), s[4];
-      for (size_t r = 0; r < 4; ++r)
-        s[r] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[r], xl), _mm256_maddubs_epi16(hi[r], xh));
-      rows4_add(s, dv, mv, ws->xdp + 8 * (i * P + p), ws->xsp + 8 * (i * P + p), &acc[i], &off[i]);
-    }
-  }
-  if (P > pairs) {  // an odd last block, values 0..15 in the low half of each row's vector
-    __m256i w[4];
-    for (size_t r = 0; r < 4; ++r) w[r] = nibbles(qs + r * row + 32 * pairs);
-    __m256 dv = _mm256_loadu_ps(ws->wdp + 8 * pairs), mv = _mm256_loadu_ps(ws->wmp + 8 * pairs);
-    for (size_t i = 0; i < MC; ++i) {
-      __m256i xb = load32(ws->q + i * K + 64 * pairs), s[4];
-      for (size_t r = 0; r < 4; ++r) s[r] = _mm256_maddubs_epi16(w[r], xb);
-      rows4_add(s, dv, mv, ws->xdp + 8 * (i * P + pairs), ws->xsp + 8 * (i * P + pairs), &acc[i], &off[i]);
+      __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[i], ones));
+      acc[i] = _mm256_fmadd_ps(sums, _mm256_mul_ps(dv, _mm256_broadcast_ss(ws->xd + i * B + b)), acc[i]);
+      acc[i] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(ws->xs + i * B + b), acc[i]);
+      __asm__("" : "+x"(acc[i]));
     }
   }
   for (size_t i = 0; i < MC; ++i) {
-    __m256 t = _mm256_add_ps(acc[i], off[i]);
-    __m128 four = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-    float f[4];
-    _mm_storeu_ps(f, four);
-    for (size_t r = 0; r < 4; ++r) out[r][i] = f[r];
+    float f[8];
+    _mm256_storeu_ps(f, acc[i]);
+    for (size_t r = 0; r < 8; ++r) out[r][i] = f[r];
   }
 }
 
-// q4_rows4 for each row count MC of x, from 2 on in a function of its own: inlined into matvec,
-// whose loop over the outputs keeps its own values in registers, the loop over 2 to 8 rows of x
-// spilled more. tools/matvec_harness.c, Q4_1 1536x576, 4 rows of x, medians of 6 to 8 interleaved
-// rounds: one thread in the caches 81.6 -> 72.1 us, from memory 90.0 -> 78.1, two threads from
-// memory 54.7 -> 49.1; 1 to 3 rows the same or faster. SmolLM2 Q4_1 decode bs4 (fresh exports, 20
-// interleaved rounds each way): 12.10 -> 11.48 ms and 12.01 -> 11.49; bs1 the same.
-#define Q4_ROWS4_AT(MC, HOW)                                                                                     \
-  HOW void q4_rows4_##MC(workspace *ws, int kind, const uint8_t *qs, const uint16_t *d, const uint16_t *m, \
-                                size_t K, float out[4][MAX_M]) {                                                 \
-    q4_rows4(ws, kind, qs, d, m, MC, K, out);                                                                    \
+// q4_x8 for each row count MC of x in a function of its own, so that its loop's registers do not
+// compete with those of matvec's loop over the outputs (the same for the four-row loop this
+// replaced: SmolLM2 Q4_1 decode bs4 12.10 -> 11.48 ms).
+#define Q4_X8_AT(MC)                                                                                     \
+  NOINLINE void q4_x8_##MC(const workspace *ws, int kind, const uint8_t *qs, const uint16_t *d,        \
+                           const uint16_t *m, size_t K, float out[8][MAX_M]) {                          \
+    q4_x8(ws, kind, qs, d, m, MC, K, out);                                                               \
   }
-Q4_ROWS4_AT(1, INLINE)
-Q4_ROWS4_AT(2, NOINLINE)
-Q4_ROWS4_AT(3, NOINLINE)
-Q4_ROWS4_AT(4, NOINLINE)
-Q4_ROWS4_AT(5, NOINLINE)
-Q4_ROWS4_AT(6, NOINLINE)
-Q4_ROWS4_AT(7, NOINLINE)
-Q4_ROWS4_AT(8, NOINLINE)
-_Static_assert(MAX_M == 8, "a q4_rows4_<MC> for each row count of x up to MAX_M");
-#define Q4_ROWS4(MC) Q4_ROWS4_NAMED(MC)  // MC expanded before pasting: MAX_M -> 8
-#define Q4_ROWS4_NAMED(MC) q4_rows4_##MC
+Q4_X8_AT(1)
+Q4_X8_AT(2)
+Q4_X8_AT(3)
+Q4_X8_AT(4)
+Q4_X8_AT(5)
+Q4_X8_AT(6)
+Q4_X8_AT(7)
+Q4_X8_AT(8)
+_Static_assert(MAX_M == 8, "a q4_x8_<MC> for each row count of x up to MAX_M");
+#define Q4_X8(MC) Q4_X8_NAMED(MC)  // MC expanded before pasting: MAX_M -> 8
+#define Q4_X8_NAMED(MC) q4_x8_##MC
 
 // Calls ROW(mc as a constant) so that each row count gets its own loop with registers for its
 // accumulators.
@@ -485,7 +417,7 @@ typedef struct {
   size_t n;
 } matrix;
 
-enum { F16 = Q4_1 + 1 };
+enum { F16 = Q4_1X8 + 1 };
 enum { CONCAT, SWIGLU };  // y = [x w0^T, x w1^T, ...], or y = silu(x w0^T) * (x w1^T)
 
 INLINE float silu(float g) {  // g * sigmoid(g), with exp only of non-positive values
@@ -493,10 +425,10 @@ INLINE float silu(float g) {  // g * sigmoid(g), with exp only of non-positive v
   return g * (g < 0 ? e / (1.0f + e) : 1.0f / (1.0f + e));
 }
 
-// Rows n .. n + g - 1 of matrix w (g: 1, or 4 for Q4 weights) times rows [m0, m0 + mc) of x
+// Rows n .. n + g - 1 of matrix w (g: 8 for x8 weights, else 1) times rows [m0, m0 + mc) of x
 // (quantized in ws unless F16) into out[r][0, mc).
 INLINE void some_rows(int kind, workspace *ws, const float *x, const matrix *w, size_t n, size_t g, size_t mc,
-                      size_t K, float out[4][MAX_M]) {
+                      size_t K, float out[8][MAX_M]) {
   size_t B = K / 32;
   if (kind == F16) {
 #define ROW(MC) f16_row(x, (const uint16_t *)w->qs + n * K, MC, K, out[0])
@@ -506,8 +438,8 @@ INLINE void some_rows(int kind, workspace *ws, const float *x, const matrix *w, 
   }
   const uint8_t *qn = (const uint8_t *)w->qs + n * (kind == Q8_0 ? K : K / 2);
   const uint16_t *d = w->d + n * B, *m = w->m ? w->m + n * B : 0;
-  if (g == 4) {
-#define ROW(MC) Q4_ROWS4(MC)(ws, kind, qn, d, m, K, out)
+  if (g == 8) {
+#define ROW(MC) Q4_X8(MC)(ws, kind, qn, d, m, K, out)
     FOR_CONSTANT_MC(mc, ROW)
 #undef ROW
     return;
@@ -520,28 +452,25 @@ INLINE void some_rows(int kind, workspace *ws, const float *x, const matrix *w, 
 // Outputs [n0, n1) of workgroup wg (`rows` per workgroup) of the product of x [M, K] with the
 // `count` matrices w. CONCAT: N outputs, the rows of the matrices one after the other, and y the
 // products [M, w[j].n] one after the other (so that each is a contiguous tensor); SWIGLU:
-// N = w[0].n and y [M, N]. Q4 weights go four rows at a time (q4_rows4) where four are left in
-// the workgroup and the matrix.
+// N = w[0].n and y [M, N]. x8 weights go eight rows at a time: each matrix's rows, and so the
+// workgroup's (a multiple of 32), are a multiple of 8.
 INLINE void matvec(int kind, int op, const float *x, const matrix *w, size_t count, float *y, size_t M, size_t N,
                    size_t K, size_t rows, size_t wg) {
   ROW_RANGE
   if (K / 32 > MAX_BLOCKS) return;  // never traced: kernels routes only rows this short
   workspace ws;
-  int four_rows = (kind == Q4_0 || kind == Q4_1) && K / 32 <= FOUR_ROWS_MAX_BLOCKS;
+  const size_t g = kind == Q4_0X8 || kind == Q4_1X8 ? 8 : 1;  // rows of w at a time
   for (size_t m0 = 0, mc; m0 < M; m0 += mc) {
     mc = kind == F16 ? (M - m0 < MAX_M ? M - m0 : MAX_M) : chunk_rows(M, m0, K);
     if (kind != F16) quantize_x(x + m0 * K, mc, K, ws.q, ws.xd, ws.xs);
     if (kind == Q4_0 || kind == Q4_1) pair_blocks(ws.q, mc, K);
-    if (four_rows) x_pair_scales(&ws, mc, K / 32);
-    size_t j = 0, first = 0, g;  // the matrix holding output n, its first output; rows at a time
+    size_t j = 0, first = 0;  // the matrix holding output n, its first output
     for (size_t n = n0; n < n1; n += g) {
       while (op == CONCAT && j + 1 < count && n >= first + w[j].n) first += w[j++].n;
-      size_t end = op == CONCAT ? first + w[j].n : N;  // outputs [first, end) are matrix j's
-      g = four_rows && n + 4 <= n1 && n + 4 <= end ? 4 : 1;
-      float out[4][MAX_M];
+      float out[8][MAX_M];
       some_rows(kind, &ws, x + m0 * K, &w[j], n - first, g, mc, K, out);
       if (op == SWIGLU) {
-        float up[4][MAX_M];
+        float up[8][MAX_M];
         some_rows(kind, &ws, x + m0 * K, &w[1], n, g, mc, K, up);
         for (size_t r = 0; r < g; ++r)
           for (size_t i = 0; i < mc; ++i) y[(m0 + i) * N + n + r] = silu(out[r][i]) * up[r][i];
@@ -562,6 +491,10 @@ INLINE void matvec(int kind, int op, const float *x, const matrix *w, size_t cou
 #define MAT_Q8_0(p, rows) {BASE(p##qs), BASE(p##d), 0, rows}
 #define MAT_Q4_0(p, rows) {BASE(p##qs), BASE(p##d), 0, rows}
 #define MAT_Q4_1(p, rows) {BASE(p##qs), BASE(p##d), BASE(p##m), rows}
+#define ARGS_Q4_0X8 ARGS_Q4_0
+#define ARGS_Q4_1X8 ARGS_Q4_1
+#define MAT_Q4_0X8 MAT_Q4_0
+#define MAT_Q4_1X8 MAT_Q4_1
 #define MAT_F16(p, rows) {BASE(p##qs), 0, 0, rows}
 #define DEFINE_KERNELS(T, lower)                                                                         \
   void sharkport_matvec_##lower(MEMREF(const float, x), ARGS_##T(a), MEMREF(float, y), size_t M, size_t N, \
@@ -584,6 +517,8 @@ INLINE void matvec(int kind, int op, const float *x, const matrix *w, size_t cou
 DEFINE_KERNELS(Q8_0, q8_0)
 DEFINE_KERNELS(Q4_0, q4_0)
 DEFINE_KERNELS(Q4_1, q4_1)
+DEFINE_KERNELS(Q4_0X8, q4_0x8)
+DEFINE_KERNELS(Q4_1X8, q4_1x8)
 DEFINE_KERNELS(F16, f16)
 
 // ---- Decode attention over the paged KV cache ----
