@@ -51,6 +51,7 @@ import torch
 import llamacpp_reference as llamacpp
 
 from sharkport.archive import Dataset, QuantizedTensor, import_gguf, save_dataset
+from sharkport import kernels
 from sharkport.compile import compile_flags, compile_mlir
 from sharkport.export import ExportConfig, export_model, save_export
 from sharkport.models import ModelConfig
@@ -230,6 +231,10 @@ def main() -> None:
     subjects: dict[str, Subject] = {}
     weights: dict[str, tuple[int, int]] = {}
     probe = BandwidthProbe()
+    if export.matvec_kernels:
+        # built once per version of matvec.c into a cache (about 18 s of C compile), not part of
+        # any one export: the first type's export would time it
+        kernels.object_path()
     for t in types:
         irpa, mlir, cfg, vmfb = files(t, "irpa", "mlir", "json", "vmfb")
         if not (args.reuse and irpa.exists()):
