@@ -436,23 +436,26 @@ def test_q4_rows_are_interleaved_once_as_the_module_loads(kernel_module, quantiz
     assert counts[0] == counts[1], f"decode_bs1 dispatches: {counts[0]} interleaved, {counts[1]} as stored"
 
 
-def test_interleaved_rows_read_as_the_weights_as_stored():
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
+def test_interleaved_rows_read_as_the_weights_as_stored(kind):
     """kernels.interleave_rows puts 4 bytes of each of eight rows' block b side by side (chunk j of
-    row r at byte 32 j + 4 r of the group's block), and the eager form of the x8 kernels (what
-    tracing falls back on outside IREE) computes the same product as the Q4 kernels' eager form."""
+    row r at byte 32 j + 4 r of the group's block), and the eager form of the interleaved kernels
+    (what tracing falls back on outside IREE) computes the same product as the stored kernels'."""
     from sharkport.kernels.ops import OPS
 
     rng = np.random.default_rng(3)
     n, k = 16, 96
-    w = weight_from_raw("Q4_1", (n, k), quantize_array(rng.standard_normal((n, k)).astype(np.float32), "Q4_1"))
-    planes = [w.planes[p] for p in kernels.PLANES["Q4_1"]]
+    w = weight_from_raw(kind, (n, k), quantize_array(rng.standard_normal((n, k)).astype(np.float32), kind))
+    planes = [w.planes[p] for p in kernels.PLANES[kind]]
     mixed = kernels.interleave_rows(planes)
-    qs, group1 = mixed[0].reshape(-1), 128 * (k // 32)  # bytes of a group of eight rows
-    assert torch.equal(qs[group1 + 2 * 128 + 32 * 3 + 4 * 5:][:4], planes[0][8 + 5, 2, 12:16])  # row 13, block 2, chunk 3
+    size = planes[0].shape[2]  # bytes of a row's block
+    qs, group1 = mixed[0].reshape(-1), 8 * size * (k // 32)  # bytes of a group of eight rows
+    assert torch.equal(qs[group1 + 2 * 8 * size + 32 * 3 + 4 * 5:][:4], planes[0][8 + 5, 2, 12:16])  # row 13, block 2, chunk 3
     assert torch.equal(mixed[1].reshape(-1)[8 * 2 + 6], planes[1][6, 2])  # row 6's scale of block 2
     assert all(torch.equal(a, b) for a, b in zip(kernels.deinterleave_rows(mixed), planes))
     x = torch.from_numpy(rng.standard_normal((2, k)).astype(np.float32))
-    torch.testing.assert_close(OPS["Q4_1X8", "matvec"](x, *mixed), OPS["Q4_1", "matvec"](x, *planes), rtol=0, atol=0)
+    torch.testing.assert_close(OPS[kernels.INTERLEAVED[kind], "matvec"](x, *mixed), OPS[kind, "matvec"](x, *planes),
+                               rtol=0, atol=0)
 
 
 def test_mlir_naming_a_kernel_object_no_longer_built_says_so(tmp_path):

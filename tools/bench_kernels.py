@@ -31,8 +31,8 @@ sys.path.insert(0, str(TOOLS.parent))
 from sharkport.kernels import CFLAGS, SOURCE  # noqa: E402
 
 SHAPES = {"gate/up 1536x576": (1536, 576), "down 576x1536": (576, 1536)}
-# q4_1: rows interleaved as exported modules read them; q4_1-stored: as stored (see the harness)
-BYTES_PER_WEIGHT = {"q4_1": 20 / 32, "q8_0": 34 / 32, "f16": 2.0, "q4_1-stored": 20 / 32}
+# q4_1, q8_0: rows interleaved as exported modules read them; -stored: as stored (see the harness)
+BYTES_PER_WEIGHT = {"q4_1": 20 / 32, "q8_0": 34 / 32, "f16": 2.0, "q4_1-stored": 20 / 32, "q8_0-stored": 34 / 32}
 MEMORY_BYTES = 128e6  # copies of the weights that far exceed the L3
 
 

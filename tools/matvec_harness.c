@@ -4,11 +4,12 @@
 // workgroups of each product shared among T threads as IREE's workers share them (a barrier after
 // each product). Prints the best of 5 trials: microseconds a product and GB/s of weights read.
 //
-//   matvec_harness TYPE M N K COPIES THREADS REPS     (TYPE: q4_1, q4_1-stored, q8_0 or f16)
+//   matvec_harness TYPE M N K COPIES THREADS REPS
 //
-// q4_1 multiplies as an exported module does: the rows of w interleaved eight at a time
-// (sharkport.kernels.interleave_rows; N a multiple of 8), by sharkport_matvec_q4_1x8. q4_1-stored
-// reads w as stored, a row at a time (what modules do for matrices of other row counts).
+// TYPE: q4_1, q8_0, q4_1-stored, q8_0-stored or f16. q4_1 and q8_0 multiply as an exported module
+// does: the rows of w interleaved eight at a time (sharkport.kernels.interleave_rows; N a multiple
+// of 8), by sharkport_matvec_q4_1x8 and _q8_0x8. The -stored types read w as stored, a row at a
+// time (what modules do for matrices of other row counts).
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -23,12 +24,14 @@ void sharkport_matvec_q4_1(MEMREF(const float), MEMREF(const uint8_t), MEMREF(co
                            MEMREF(const uint16_t), MEMREF(float), size_t, size_t, size_t, size_t, size_t);
 void sharkport_matvec_q4_1x8(MEMREF(const float), MEMREF(const uint8_t), MEMREF(const uint16_t),
                              MEMREF(const uint16_t), MEMREF(float), size_t, size_t, size_t, size_t, size_t);
+void sharkport_matvec_q8_0x8(MEMREF(const float), MEMREF(const int8_t), MEMREF(const uint16_t), MEMREF(float),
+                             size_t, size_t, size_t, size_t, size_t);
 void sharkport_matvec_q8_0(MEMREF(const float), MEMREF(const int8_t), MEMREF(const uint16_t), MEMREF(float),
                            size_t, size_t, size_t, size_t, size_t);
 void sharkport_matvec_f16(MEMREF(const float), MEMREF(const uint16_t), MEMREF(float), size_t, size_t, size_t,
                           size_t, size_t);
 
-enum { Q4_1, Q8_0, F16, Q4_1_STORED };
+enum { Q4_1, Q8_0, F16, Q4_1_STORED, Q8_0_STORED };
 typedef struct {
   int type, thread, threads, reps;
   size_t M, N, K, rows, workgroups, copies;
@@ -48,6 +51,9 @@ static void product(const job *j, size_t c) {
       sharkport_matvec_q4_1(ARG(j->x), ARG(j->qs[c]), ARG(j->d[c]), ARG(j->m[c]), ARG(j->y), j->M, j->N, j->K,
                             j->rows, wg);
     else if (j->type == Q8_0)
+      sharkport_matvec_q8_0x8(ARG(j->x), ARG((const int8_t *)j->qs[c]), ARG(j->d[c]), ARG(j->y), j->M, j->N, j->K,
+                              j->rows, wg);
+    else if (j->type == Q8_0_STORED)
       sharkport_matvec_q8_0(ARG(j->x), ARG((const int8_t *)j->qs[c]), ARG(j->d[c]), ARG(j->y), j->M, j->N, j->K,
                             j->rows, wg);
     else
@@ -77,19 +83,19 @@ int main(int argc, char **argv) {
     return 2;
   }
   int type = !strcmp(argv[1], "q4_1") ? Q4_1 : !strcmp(argv[1], "q8_0") ? Q8_0 : !strcmp(argv[1], "f16") ? F16
-             : !strcmp(argv[1], "q4_1-stored") ? Q4_1_STORED : -1;
+             : !strcmp(argv[1], "q4_1-stored") ? Q4_1_STORED : !strcmp(argv[1], "q8_0-stored") ? Q8_0_STORED : -1;
   size_t M = atol(argv[2]), N = atol(argv[3]), K = atol(argv[4]), copies = atol(argv[5]);
   int threads = atoi(argv[6]), reps = atoi(argv[7]);
   if (type < 0 || !M || M > 8 || !N || !K || K % 32 || !copies || threads < 1 || threads > 64 || reps < 1 ||
-      (type == Q4_1 && N % 8)) {
+      ((type == Q4_1 || type == Q8_0) && N % 8)) {
     fprintf(stderr, "%s: bad arguments\n", argv[0]);
     return 2;
   }
   // as sharkport.kernels.ops: min(256, 32 ceil(N / 256)) outputs a workgroup
   size_t rows = 32 * ((N + 255) / 256), B = K / 32;
   rows = rows < 256 ? rows : 256;
-  int q4 = type == Q4_1 || type == Q4_1_STORED;
-  size_t qbytes = q4 ? N * K / 2 : type == Q8_0 ? N * K : 2 * N * K;
+  int q4 = type == Q4_1 || type == Q4_1_STORED, q8 = type == Q8_0 || type == Q8_0_STORED;
+  size_t qbytes = q4 ? N * K / 2 : q8 ? N * K : 2 * N * K;
   size_t plane_bytes = type == F16 ? 0 : 2 * N * B;  // each of d (and m)
   uint8_t **qs = calloc(copies, sizeof *qs);
   uint16_t **d = calloc(copies, sizeof *d), **m = calloc(copies, sizeof *m);
@@ -104,18 +110,19 @@ int main(int argc, char **argv) {
       for (size_t i = 0; i < qbytes; ++i) qs[c][i] = rand();
     for (size_t i = 0; i < plane_bytes / 2; ++i) d[c][i] = 0x2000 | (rand() & 0xff), m[c][i] = 0xa000 | (rand() & 0xff);
   }
-  if (type == Q4_1) {  // as sharkport.kernels.interleave_rows
+  if (type == Q4_1 || type == Q8_0) {  // as sharkport.kernels.interleave_rows
+    size_t row = qbytes / N, size = row / B;  // bytes of a row of w, of its block
     uint8_t *q = malloc(qbytes);
     uint16_t *p = malloc(plane_bytes);
     for (size_t c = 0; c < copies; ++c) {
-      for (size_t g = 0; g < N / 8; ++g)  // chunk j of block b of row r at ((g B + b) 4 + j) 32 + 4 r
+      for (size_t g = 0; g < N / 8; ++g)  // chunk j of block b of row r at ((g B + b) size / 4 + j) 32 + 4 r
         for (size_t b = 0; b < B; ++b)
-          for (size_t j = 0; j < 4; ++j)
+          for (size_t j = 0; j < size / 4; ++j)
             for (size_t r = 0; r < 8; ++r)
-              memcpy(q + ((g * B + b) * 4 + j) * 32 + 4 * r, qs[c] + (8 * g + r) * (K / 2) + 16 * b + 4 * j, 4);
+              memcpy(q + ((g * B + b) * (size / 4) + j) * 32 + 4 * r, qs[c] + (8 * g + r) * row + size * b + 4 * j, 4);
       memcpy(qs[c], q, qbytes);
       uint16_t *planes[2] = {d[c], m[c]};
-      for (int k = 0; k < 2; ++k) {
+      for (int k = 0; k < (type == Q4_1 ? 2 : 1); ++k) {
         for (size_t g = 0; g < N / 8; ++g)
           for (size_t b = 0; b < B; ++b)
             for (size_t r = 0; r < 8; ++r) p[(g * B + b) * 8 + r] = planes[k][(8 * g + r) * B + b];
@@ -141,7 +148,7 @@ int main(int argc, char **argv) {
     best = seconds < best ? seconds : best;
     pthread_barrier_destroy(&barrier);
   }
-  double bytes = qbytes + plane_bytes * (q4 ? 2 : type == Q8_0 ? 1 : 0);
+  double bytes = qbytes + plane_bytes * (q4 ? 2 : q8 ? 1 : 0);
   printf("%.2f %.3f\n", best * 1e6, bytes / best / 1e9);
   return 0;
 }

@@ -2,8 +2,8 @@
 products and attention, prefill's attention.
 
 `matvec.c` computes x [M, K] @ w[N, K].T for a few rows M reading w as stored: Q8_0, Q4_0 and
-Q4_1 planes or float16 (Q4 matrices of a row count that is a multiple of 8 through a copy with
-their rows interleaved eight at a time, which the module makes once as it loads: see
+Q4_1 planes or float16 (quantized matrices of a row count that is a multiple of 8 through a copy
+with their rows interleaved eight at a time, which the module makes once as it loads: see
 interleave_rows); also q, k, v of one x in one dispatch (`matvec_qkv`), SwiGLU's
 silu(x gate^T) * (x up^T) (`swiglu`), decode attention over the paged cache with rotary and the
 new position's cache write (`decode_attention`), and prefill's causal attention of the prompt to
@@ -52,11 +52,11 @@ CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffreestanding", "-fPIC", "-fno-s
 # 32 aiming at 8 workgroups (enough to share among a few workers; fewer, larger ones quantize x
 # fewer times). SmolLM2: 32 rows for 192 outputs, 256 for the 49152 of the output projection.
 ROW_QUANTUM, WORKGROUPS, MAX_ROWS_PER_WORKGROUP = 32, 8, 256
-# plane order of each kernel's arguments after x (sharkport.quant's plane names). Q4_0X8 and
-# Q4_1X8 are Q4_0 and Q4_1 with their rows interleaved eight at a time (interleave_rows).
+# plane order of each kernel's arguments after x (sharkport.quant's plane names). Q8_0X8, Q4_0X8
+# and Q4_1X8 are Q8_0, Q4_0 and Q4_1 with their rows interleaved eight at a time (interleave_rows).
 PLANES = {"Q8_0": ("qs", "d"), "Q4_0": ("qs", "d"), "Q4_1": ("qs", "d", "m"), "F16": ("w",),
-          "Q4_0X8": ("qs", "d"), "Q4_1X8": ("qs", "d", "m")}
-INTERLEAVED = {"Q4_0": "Q4_0X8", "Q4_1": "Q4_1X8"}  # a weight type -> its kernel's, rows interleaved
+          "Q8_0X8": ("qs", "d"), "Q4_0X8": ("qs", "d"), "Q4_1X8": ("qs", "d", "m")}
+INTERLEAVED = {"Q8_0": "Q8_0X8", "Q4_0": "Q4_0X8", "Q4_1": "Q4_1X8"}  # a weight type -> its kernel's
 # elements of each buffer the C function receives (x, the planes, y), as (factor, divisor) of
 # products of M, N and K: x is M*K floats, Q8_0's qs N*K bytes, a block scale plane N*K/32, ...
 SIZES = {"Q8_0": ("mk", ("nk", 1), ("nk", 32), "mn"), "Q4_0": ("mk", ("nk", 2), ("nk", 32), "mn"),
@@ -129,23 +129,23 @@ def _product(form: str, x, weights):
 
 
 def interleave_rows(planes):
-    """Q4 planes (qs [N, B, 16], then d and m [N, B]; N a multiple of 8) with their rows interleaved
-    eight at a time, as matvec.c's q4_x8 reads them: per group of eight rows and block b, 4 bytes
-    of each row's 16 at a time (chunk j: bytes 4j .. 4j + 3 of rows 0..7), then the eight rows'
-    scales (offsets) of block b together. The planes keep their shapes. Under tracing this is a
+    """Q8_0 or Q4 planes (qs [N, B, 32 or 16], then d and m [N, B]; N a multiple of 8) with their
+    rows interleaved eight at a time, as matvec.c's q8_x8 and q4_x8 read them: per group of eight
+    rows and block b, 4 bytes of each row's block at a time (chunk j: bytes 4j .. 4j + 3 of rows
+    0..7), then the eight rows' scales (offsets) of block b together. The planes keep their shapes. Under tracing this is a
     transpose of a parameter, which IREE hoists into the module's initializer: it runs once, as
     the module loads, into a copy that decode's products read (one for all functions)."""
     qs, *scales = planes
-    N, B = qs.shape[0], qs.shape[1]
-    return [qs.reshape(N // 8, 8, B, 4, 4).permute(0, 2, 3, 1, 4).reshape(N, B, 16),
+    N, B, size = qs.shape
+    return [qs.reshape(N // 8, 8, B, size // 4, 4).permute(0, 2, 3, 1, 4).reshape(N, B, size),
             *(p.reshape(N // 8, 8, B).permute(0, 2, 1).reshape(N, B) for p in scales)]
 
 
 def deinterleave_rows(planes):
     """The inverse of interleave_rows."""
     qs, *scales = planes
-    N, B = qs.shape[0], qs.shape[1]
-    return [qs.reshape(N // 8, B, 4, 8, 4).permute(0, 3, 1, 2, 4).reshape(N, B, 16),
+    N, B, size = qs.shape
+    return [qs.reshape(N // 8, B, size // 4, 8, 4).permute(0, 3, 1, 2, 4).reshape(N, B, size),
             *(p.reshape(N // 8, B, 8).permute(0, 2, 1).reshape(N, B) for p in scales)]
 
 

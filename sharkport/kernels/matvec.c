@@ -1,9 +1,9 @@
 // Matrix-vector products that read weights as stored (sharkport.kernels): y[m, n] = sum_k
 // x[m, k] * w[n, k] for a few rows m of float32 activations, with w in ggml's Q8_0, Q4_0 or Q4_1
-// planes (see sharkport.quant; Q4 also with rows interleaved eight at a time, see q4_x8) or in
-// float16. Compiled by the system C compiler into an object
-// that iree-compile links into the module (an IREE "custom dispatch"), so it must stay
-// freestanding: no libc, no globals, no thread-local state.
+// planes (see sharkport.quant; also with rows interleaved eight at a time, see q4_x8 and q8_x8)
+// or in float16. Compiled by the system C compiler into an object that iree-compile links into
+// the module (an IREE "custom dispatch"), so it must stay freestanding: no libc, no globals, no
+// thread-local state.
 //
 // Each workgroup computes `rows` outputs n (an argument: sharkport.kernels.ops aims at about 8
 // workgroups per product) of every row m, reading each weight once for all rows of x, so a
@@ -141,9 +141,9 @@ INLINE size_t chunk_rows(size_t M, size_t m0, size_t K) {
   return mc < fit ? mc : fit;
 }
 
-// Weight types: as stored (a Q4 w of a row count not a multiple of 8 is multiplied a row at a
-// time), and Q4 with rows interleaved eight at a time (q4_x8); F16 after these.
-enum { Q8_0, Q4_0, Q4_1, Q4_0X8, Q4_1X8 };
+// Weight types: as stored (a w of a row count not a multiple of 8 is multiplied a row at a time),
+// and with rows interleaved eight at a time (q4_x8, q8_x8); F16 after these.
+enum { Q8_0, Q4_0, Q4_1, Q4_0X8, Q4_1X8, Q8_0X8 };
 
 // For one row of w with block scales d (and offsets m, Q4_1): cs[i, b] = d[b] xd[i, b] for the
 // MC rows i of x, and in off[i] the offset term: sum over blocks of the block's offset (Q4_0:
@@ -346,6 +346,66 @@ _Static_assert(MAX_M == 8, "a q4_x8_<MC> for each row count of x up to MAX_M");
 #define Q4_X8(MC) Q4_X8_NAMED(MC)  // MC expanded before pasting: MAX_M -> 8
 #define Q4_X8_NAMED(MC) q4_x8_##MC
 
+// Q8_0 weights interleaved the same way: per group of eight rows and block b, 256 bytes hold the
+// rows' 32 bytes 4 at a time, chunk j (bytes 4j .. 4j + 3 of rows 0..7) at 32 j; the eight rows'
+// scales of block b together. Each chunk meets x's four values broadcast, with the sign trick of
+// Q_STEP (|w| times x with w's sign); two chunks' 16-bit sums could overflow, so each goes through
+// `madd` into 32 bits. Lane r then holds row r's block sum.
+// tools/matvec_harness.c (q8_0 against q8_0-stored), 1536x576, two rounds, us a product: one row
+// of x, one thread in the caches 49.7 / 50.5 -> 23.4 / 23.8, two threads from memory 37.2 / 35.8
+// -> 31.0 / 28.9; four rows of x in the caches 121.6 / 119.8 -> 70.2 / 70.4, from memory 73.9 /
+// 73.3 -> 46.0 / 46.7. SmolLM2 Q8_0 decode bs1 7.06 -> 6.99 ms, bs4 14.19 -> 10.83.
+INLINE void q8_x8(const workspace *ws, const int8_t *qs, const uint16_t *d, size_t MC, size_t K,
+                  float out[8][MAX_M]) {
+  size_t B = K / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MAX_M];
+  for (size_t i = 0; i < MC; ++i) acc[i] = _mm256_setzero_ps();
+  for (size_t b = 0; b < B; ++b, qs += 256) {
+    for (size_t line = 0; line < 256; line += 64) PREFETCH_LINE(qs + line);
+    __m256i s[MAX_M];
+    for (size_t i = 0; i < MC; ++i) s[i] = _mm256_setzero_si256();
+    for (size_t j = 0; j < 8; j += 2) {
+      __m256i v0 = load32(qs + 32 * j), v1 = load32(qs + 32 * j + 32);
+      __m256i a0 = _mm256_sign_epi8(v0, v0), a1 = _mm256_sign_epi8(v1, v1);
+      for (size_t i = 0; i < MC; ++i) {
+        const int8_t *xq = ws->q + i * K + 32 * b + 4 * j;
+        __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(broadcast4(xq), v0));
+        __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(broadcast4(xq + 4), v1));
+        s[i] = _mm256_add_epi32(s[i], _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones)));
+        __asm__("" : "+x"(s[i]));  // as in q4_x8
+      }
+    }
+    __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + 8 * b)));
+    for (size_t i = 0; i < MC; ++i) {
+      __m256 scale = _mm256_mul_ps(dv, _mm256_broadcast_ss(ws->xd + i * B + b));
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), scale, acc[i]);
+      __asm__("" : "+x"(acc[i]));
+    }
+  }
+  for (size_t i = 0; i < MC; ++i) {
+    float f[8];
+    _mm256_storeu_ps(f, acc[i]);
+    for (size_t r = 0; r < 8; ++r) out[r][i] = f[r];
+  }
+}
+
+#define Q8_X8_AT(MC)                                                                                    \
+  NOINLINE void q8_x8_##MC(const workspace *ws, const int8_t *qs, const uint16_t *d, size_t K,        \
+                           float out[8][MAX_M]) {                                                      \
+    q8_x8(ws, qs, d, MC, K, out);                                                                       \
+  }
+Q8_X8_AT(1)
+Q8_X8_AT(2)
+Q8_X8_AT(3)
+Q8_X8_AT(4)
+Q8_X8_AT(5)
+Q8_X8_AT(6)
+Q8_X8_AT(7)
+Q8_X8_AT(8)
+#define Q8_X8(MC) Q8_X8_NAMED(MC)
+#define Q8_X8_NAMED(MC) q8_x8_##MC
+
 // Calls ROW(mc as a constant) so that each row count gets its own loop with registers for its
 // accumulators.
 #define FOR_CONSTANT_MC(mc, ROW) \
@@ -417,7 +477,7 @@ typedef struct {
   size_t n;
 } matrix;
 
-enum { F16 = Q4_1X8 + 1 };
+enum { F16 = Q8_0X8 + 1 };
 enum { CONCAT, SWIGLU };  // y = [x w0^T, x w1^T, ...], or y = silu(x w0^T) * (x w1^T)
 
 INLINE float silu(float g) {  // g * sigmoid(g), with exp only of non-positive values
@@ -425,7 +485,7 @@ INLINE float silu(float g) {  // g * sigmoid(g), with exp only of non-positive v
   return g * (g < 0 ? e / (1.0f + e) : 1.0f / (1.0f + e));
 }
 
-// Rows n .. n + g - 1 of matrix w (g: 8 for x8 weights, else 1) times rows [m0, m0 + mc) of x
+// Rows n .. n + g - 1 of matrix w (g: 8 for interleaved weights, else 1) times rows [m0, m0 + mc) of x
 // (quantized in ws unless F16) into out[r][0, mc).
 INLINE void some_rows(int kind, workspace *ws, const float *x, const matrix *w, size_t n, size_t g, size_t mc,
                       size_t K, float out[8][MAX_M]) {
@@ -436,8 +496,14 @@ INLINE void some_rows(int kind, workspace *ws, const float *x, const matrix *w, 
 #undef ROW
     return;
   }
-  const uint8_t *qn = (const uint8_t *)w->qs + n * (kind == Q8_0 ? K : K / 2);
+  const uint8_t *qn = (const uint8_t *)w->qs + n * (kind == Q8_0 || kind == Q8_0X8 ? K : K / 2);
   const uint16_t *d = w->d + n * B, *m = w->m ? w->m + n * B : 0;
+  if (kind == Q8_0X8) {
+#define ROW(MC) Q8_X8(MC)(ws, (const int8_t *)qn, d, K, out)
+    FOR_CONSTANT_MC(mc, ROW)
+#undef ROW
+    return;
+  }
   if (g == 8) {
 #define ROW(MC) Q4_X8(MC)(ws, kind, qn, d, m, K, out)
     FOR_CONSTANT_MC(mc, ROW)
@@ -452,14 +518,14 @@ INLINE void some_rows(int kind, workspace *ws, const float *x, const matrix *w, 
 // Outputs [n0, n1) of workgroup wg (`rows` per workgroup) of the product of x [M, K] with the
 // `count` matrices w. CONCAT: N outputs, the rows of the matrices one after the other, and y the
 // products [M, w[j].n] one after the other (so that each is a contiguous tensor); SWIGLU:
-// N = w[0].n and y [M, N]. x8 weights go eight rows at a time: each matrix's rows, and so the
-// workgroup's (a multiple of 32), are a multiple of 8.
+// N = w[0].n and y [M, N]. Interleaved weights go eight rows at a time: each matrix's rows, and
+// so the workgroup's (a multiple of 32), are a multiple of 8.
 INLINE void matvec(int kind, int op, const float *x, const matrix *w, size_t count, float *y, size_t M, size_t N,
                    size_t K, size_t rows, size_t wg) {
   ROW_RANGE
   if (K / 32 > MAX_BLOCKS) return;  // never traced: kernels routes only rows this short
   workspace ws;
-  const size_t g = kind == Q4_0X8 || kind == Q4_1X8 ? 8 : 1;  // rows of w at a time
+  const size_t g = kind == Q4_0X8 || kind == Q4_1X8 || kind == Q8_0X8 ? 8 : 1;  // rows of w at a time
   for (size_t m0 = 0, mc; m0 < M; m0 += mc) {
     mc = kind == F16 ? (M - m0 < MAX_M ? M - m0 : MAX_M) : chunk_rows(M, m0, K);
     if (kind != F16) quantize_x(x + m0 * K, mc, K, ws.q, ws.xd, ws.xs);
@@ -491,6 +557,8 @@ INLINE void matvec(int kind, int op, const float *x, const matrix *w, size_t cou
 #define MAT_Q8_0(p, rows) {BASE(p##qs), BASE(p##d), 0, rows}
 #define MAT_Q4_0(p, rows) {BASE(p##qs), BASE(p##d), 0, rows}
 #define MAT_Q4_1(p, rows) {BASE(p##qs), BASE(p##d), BASE(p##m), rows}
+#define ARGS_Q8_0X8 ARGS_Q8_0
+#define MAT_Q8_0X8 MAT_Q8_0
 #define ARGS_Q4_0X8 ARGS_Q4_0
 #define ARGS_Q4_1X8 ARGS_Q4_1
 #define MAT_Q4_0X8 MAT_Q4_0
@@ -519,6 +587,7 @@ DEFINE_KERNELS(Q4_0, q4_0)
 DEFINE_KERNELS(Q4_1, q4_1)
 DEFINE_KERNELS(Q4_0X8, q4_0x8)
 DEFINE_KERNELS(Q4_1X8, q4_1x8)
+DEFINE_KERNELS(Q8_0X8, q8_0x8)
 DEFINE_KERNELS(F16, f16)
 
 // ---- Decode attention over the paged KV cache ----
