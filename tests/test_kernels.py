@@ -69,8 +69,8 @@ def _compile_and_run(module, x, tmp_path):
 @pytest.mark.parametrize("kind", KINDS)
 def test_kernel_product_equals_gguf_dequantization(kind, rows, n, k, tmp_path):
     """80 or 83 outputs: 2.5 workgroups of 32; 2104 and 2100: 9 workgroups of 256, the last
-    partial. Q4 weights of 80 and 2104 rows go interleaved eight rows at a time, those of 83 and
-    2100 one row at a time. Rows of 3 blocks (a pair and an odd one), 4 or 2. The first block of
+    partial. Quantized weights of 80 and 2104 rows go interleaved eight rows at a time, those of 83
+    and 2100 one row at a time. Rows of 3 blocks (a pair and an odd one), 4 or 2. The first block of
     each row of x is ties: half-integers under a max of 127 (scale 1), so rounding half to even,
     not gguf's half away from zero, would move the product by whole weights."""
     rng = np.random.default_rng(rows)
@@ -112,8 +112,8 @@ class _Fused(torch.nn.Module):
 @pytest.mark.parametrize("kind", KINDS)
 def test_fused_products_equal_gguf_dequantization(kind, form, sizes, tmp_path):
     """One dispatch for q, k, v of 80, 42 and 26 outputs (workgroups of 32 span two matrices), or
-    for silu(x gate^T) * (x up^T). Q4 matrices whose rows are all a multiple of 8 go interleaved
-    (80, 48, 24; 88), the others one row at a time."""
+    for silu(x gate^T) * (x up^T). Quantized matrices whose rows are all a multiple of 8 go
+    interleaved (80, 48, 24; 88), the others one row at a time."""
     rng = np.random.default_rng(7)
     k = 96
     raws = [quantize_array(rng.standard_normal((n, k)).astype(np.float32), kind) for n in sizes]
@@ -432,7 +432,8 @@ def test_q4_rows_are_interleaved_once_as_the_module_loads(kernel_module, quantiz
                                    dataclasses.replace(TINY_EXPORT, matvec_kernels=True))
     save_export(output, service, tmp_path / "stored.mlir", tmp_path / "stored.json")
     assert "sharkport_matvec_qkv_q4_1(" in (tmp_path / "stored.mlir").read_text()
-    counts = [_decode_bs1_commands(m).count("@hal.command_buffer.dispatch") for m in (interleaved, tmp_path / "stored.mlir")]
+    counts = [_decode_bs1_commands(m).count("@hal.command_buffer.dispatch")
+              for m in (interleaved, tmp_path / "stored.mlir")]
     assert counts[0] == counts[1], f"decode_bs1 dispatches: {counts[0]} interleaved, {counts[1]} as stored"
 
 
@@ -450,7 +451,8 @@ def test_interleaved_rows_read_as_the_weights_as_stored(kind):
     mixed = kernels.interleave_rows(planes)
     size = planes[0].shape[2]  # bytes of a row's block
     qs, group1 = mixed[0].reshape(-1), 8 * size * (k // 32)  # bytes of a group of eight rows
-    assert torch.equal(qs[group1 + 2 * 8 * size + 32 * 3 + 4 * 5:][:4], planes[0][8 + 5, 2, 12:16])  # row 13, block 2, chunk 3
+    chunk = group1 + 2 * 8 * size + 32 * 3 + 4 * 5  # row 13 (5 of the second group), block 2, chunk 3
+    assert torch.equal(qs[chunk:chunk + 4], planes[0][8 + 5, 2, 12:16])
     assert torch.equal(mixed[1].reshape(-1)[8 * 2 + 6], planes[1][6, 2])  # row 6's scale of block 2
     assert all(torch.equal(a, b) for a, b in zip(kernels.deinterleave_rows(mixed), planes))
     x = torch.from_numpy(rng.standard_normal((2, k)).astype(np.float32))

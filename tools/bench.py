@@ -50,8 +50,8 @@ import torch
 
 import llamacpp_reference as llamacpp
 
-from sharkport.archive import Dataset, QuantizedTensor, import_gguf, save_dataset
 from sharkport import kernels
+from sharkport.archive import Dataset, QuantizedTensor, import_gguf, save_dataset
 from sharkport.compile import compile_flags, compile_mlir
 from sharkport.export import ExportConfig, export_model, save_export
 from sharkport.models import ModelConfig

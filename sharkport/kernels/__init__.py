@@ -57,6 +57,7 @@ ROW_QUANTUM, WORKGROUPS, MAX_ROWS_PER_WORKGROUP = 32, 8, 256
 PLANES = {"Q8_0": ("qs", "d"), "Q4_0": ("qs", "d"), "Q4_1": ("qs", "d", "m"), "F16": ("w",),
           "Q8_0X8": ("qs", "d"), "Q4_0X8": ("qs", "d"), "Q4_1X8": ("qs", "d", "m")}
 INTERLEAVED = {"Q8_0": "Q8_0X8", "Q4_0": "Q4_0X8", "Q4_1": "Q4_1X8"}  # a weight type -> its kernel's
+STORED = {x8: kind for kind, x8 in INTERLEAVED.items()}  # and back
 # elements of each buffer the C function receives (x, the planes, y), as (factor, divisor) of
 # products of M, N and K: x is M*K floats, Q8_0's qs N*K bytes, a block scale plane N*K/32, ...
 SIZES = {"Q8_0": ("mk", ("nk", 1), ("nk", 32), "mn"), "Q4_0": ("mk", ("nk", 2), ("nk", 32), "mn"),
@@ -119,22 +120,22 @@ def _product(form: str, x, weights):
     if len(kinds) != 1 or None in kinds:
         return None
     kind = kinds.pop()
-    planes = [p for w in weights for p in ([w] if kind == "F16" else [w.planes[n] for n in PLANES[kind]])]
+    planes = [[w] if kind == "F16" else [w.planes[n] for n in PLANES[kind]] for w in weights]  # per weight
     if kind in INTERLEAVED and all(w.shape[0] % 8 == 0 for w in weights):
-        per = len(PLANES[kind])
-        kind, planes = INTERLEAVED[kind], [p for i in range(0, len(planes), per) for p in interleave_rows(planes[i:i + per])]
+        kind, planes = INTERLEAVED[kind], [interleave_rows(p) for p in planes]
     from .ops import OPS
 
-    return OPS[kind, form](x, *planes)
+    return OPS[kind, form](x, *(p for each in planes for p in each))
 
 
 def interleave_rows(planes):
     """Q8_0 or Q4 planes (qs [N, B, 32 or 16], then d and m [N, B]; N a multiple of 8) with their
     rows interleaved eight at a time, as matvec.c's q8_x8 and q4_x8 read them: per group of eight
     rows and block b, 4 bytes of each row's block at a time (chunk j: bytes 4j .. 4j + 3 of rows
-    0..7), then the eight rows' scales (offsets) of block b together. The planes keep their shapes. Under tracing this is a
-    transpose of a parameter, which IREE hoists into the module's initializer: it runs once, as
-    the module loads, into a copy that decode's products read (one for all functions)."""
+    0..7), then the eight rows' scales (offsets) of block b together. The planes keep their
+    shapes. Under tracing this is a transpose of a parameter, which IREE hoists into the module's
+    initializer: it runs once, as the module loads, into a copy that decode's products read (one
+    for all functions)."""
     qs, *scales = planes
     N, B, size = qs.shape
     return [qs.reshape(N // 8, 8, B, size // 4, 4).permute(0, 2, 3, 1, 4).reshape(N, B, size),

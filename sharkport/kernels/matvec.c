@@ -286,6 +286,22 @@ INLINE __m256i broadcast4(const int8_t *p) {  // 4 bytes at p in each 32-bit lan
   return _mm256_set1_epi32(v);
 }
 
+// Lane r of acc[i] (row r of an interleaved group times row i of x) into out[r][i].
+INLINE void group_outputs(const __m256 *acc, size_t MC, float out[8][MAX_M]) {
+  for (size_t i = 0; i < MC; ++i) {
+    float f[8];
+    _mm256_storeu_ps(f, acc[i]);
+    for (size_t r = 0; r < 8; ++r) out[r][i] = f[r];
+  }
+}
+
+// F(MC) for each row count MC of x, 1 .. MAX_M; AT_ROWS(name, MC) is name_<MC>, MC expanded
+// before pasting (MAX_M -> 8).
+#define FOR_EACH_ROW_COUNT(F) F(1) F(2) F(3) F(4) F(5) F(6) F(7) F(8)
+_Static_assert(MAX_M == 8, "FOR_EACH_ROW_COUNT covers each row count of x up to MAX_M");
+#define AT_ROWS(name, MC) AT_ROWS_NAMED(name, MC)
+#define AT_ROWS_NAMED(name, MC) name##_##MC
+
 // Rows 0..7 of an x8 group (blocks at qs, scales d and offsets m, 8 per block) times MC rows of x
 // (quantized in ws, blocks in order): out[r][i].
 INLINE void q4_x8(const workspace *ws, int kind, const uint8_t *qs, const uint16_t *d, const uint16_t *m, size_t MC,
@@ -319,11 +335,7 @@ INLINE void q4_x8(const workspace *ws, int kind, const uint8_t *qs, const uint16
       __asm__("" : "+x"(acc[i]));
     }
   }
-  for (size_t i = 0; i < MC; ++i) {
-    float f[8];
-    _mm256_storeu_ps(f, acc[i]);
-    for (size_t r = 0; r < 8; ++r) out[r][i] = f[r];
-  }
+  group_outputs(acc, MC, out);
 }
 
 // q4_x8 for each row count MC of x in a function of its own, so that its loop's registers do not
@@ -334,17 +346,7 @@ INLINE void q4_x8(const workspace *ws, int kind, const uint8_t *qs, const uint16
                            const uint16_t *m, size_t K, float out[8][MAX_M]) {                          \
     q4_x8(ws, kind, qs, d, m, MC, K, out);                                                               \
   }
-Q4_X8_AT(1)
-Q4_X8_AT(2)
-Q4_X8_AT(3)
-Q4_X8_AT(4)
-Q4_X8_AT(5)
-Q4_X8_AT(6)
-Q4_X8_AT(7)
-Q4_X8_AT(8)
-_Static_assert(MAX_M == 8, "a q4_x8_<MC> for each row count of x up to MAX_M");
-#define Q4_X8(MC) Q4_X8_NAMED(MC)  // MC expanded before pasting: MAX_M -> 8
-#define Q4_X8_NAMED(MC) q4_x8_##MC
+FOR_EACH_ROW_COUNT(Q4_X8_AT)
 
 // Q8_0 weights interleaved the same way: per group of eight rows and block b, 256 bytes hold the
 // rows' 32 bytes 4 at a time, chunk j (bytes 4j .. 4j + 3 of rows 0..7) at 32 j; the eight rows'
@@ -383,28 +385,15 @@ INLINE void q8_x8(const workspace *ws, const int8_t *qs, const uint16_t *d, size
       __asm__("" : "+x"(acc[i]));
     }
   }
-  for (size_t i = 0; i < MC; ++i) {
-    float f[8];
-    _mm256_storeu_ps(f, acc[i]);
-    for (size_t r = 0; r < 8; ++r) out[r][i] = f[r];
-  }
+  group_outputs(acc, MC, out);
 }
 
-#define Q8_X8_AT(MC)                                                                                    \
+#define Q8_X8_AT(MC) /* as Q4_X8_AT */                                                                  \
   NOINLINE void q8_x8_##MC(const workspace *ws, const int8_t *qs, const uint16_t *d, size_t K,        \
                            float out[8][MAX_M]) {                                                      \
     q8_x8(ws, qs, d, MC, K, out);                                                                       \
   }
-Q8_X8_AT(1)
-Q8_X8_AT(2)
-Q8_X8_AT(3)
-Q8_X8_AT(4)
-Q8_X8_AT(5)
-Q8_X8_AT(6)
-Q8_X8_AT(7)
-Q8_X8_AT(8)
-#define Q8_X8(MC) Q8_X8_NAMED(MC)
-#define Q8_X8_NAMED(MC) q8_x8_##MC
+FOR_EACH_ROW_COUNT(Q8_X8_AT)
 
 // Calls ROW(mc as a constant) so that each row count gets its own loop with registers for its
 // accumulators.
@@ -485,8 +474,8 @@ INLINE float silu(float g) {  // g * sigmoid(g), with exp only of non-positive v
   return g * (g < 0 ? e / (1.0f + e) : 1.0f / (1.0f + e));
 }
 
-// Rows n .. n + g - 1 of matrix w (g: 8 for interleaved weights, else 1) times rows [m0, m0 + mc) of x
-// (quantized in ws unless F16) into out[r][0, mc).
+// Rows n .. n + g - 1 of matrix w (g: 8 for interleaved weights, else 1) times rows [m0, m0 + mc)
+// of x (quantized in ws unless F16) into out[r][0, mc).
 INLINE void some_rows(int kind, workspace *ws, const float *x, const matrix *w, size_t n, size_t g, size_t mc,
                       size_t K, float out[8][MAX_M]) {
   size_t B = K / 32;
@@ -499,13 +488,13 @@ INLINE void some_rows(int kind, workspace *ws, const float *x, const matrix *w, 
   const uint8_t *qn = (const uint8_t *)w->qs + n * (kind == Q8_0 || kind == Q8_0X8 ? K : K / 2);
   const uint16_t *d = w->d + n * B, *m = w->m ? w->m + n * B : 0;
   if (kind == Q8_0X8) {
-#define ROW(MC) Q8_X8(MC)(ws, (const int8_t *)qn, d, K, out)
+#define ROW(MC) AT_ROWS(q8_x8, MC)(ws, (const int8_t *)qn, d, K, out)
     FOR_CONSTANT_MC(mc, ROW)
 #undef ROW
     return;
   }
-  if (g == 8) {
-#define ROW(MC) Q4_X8(MC)(ws, kind, qn, d, m, K, out)
+  if (g == 8) {  // Q4_0X8, Q4_1X8
+#define ROW(MC) AT_ROWS(q4_x8, MC)(ws, kind, qn, d, m, K, out)
     FOR_CONSTANT_MC(mc, ROW)
 #undef ROW
     return;

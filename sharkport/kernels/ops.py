@@ -12,8 +12,8 @@ from iree.turbine.runtime.op_reg import CustomOp, KernelBuilder, KernelSelection
 
 from ..archive.tensors import QuantizedTensor
 from ..mlir_ops import call_mlir_function
-from . import (INTERLEAVED, MAX_ROWS_PER_WORKGROUP, PLANES, ROW_QUANTUM, SIZES, WORKGROUPS, deinterleave_rows,
-               object_path, quantized_x)
+from . import (MAX_ROWS_PER_WORKGROUP, PLANES, ROW_QUANTUM, SIZES, STORED, WORKGROUPS, deinterleave_rows, object_path,
+               quantized_x)
 
 
 _LIBRARY = def_library("sharkport_kernels")
@@ -27,8 +27,8 @@ FORMS = {"matvec": 1, "qkv": 3, "swiglu": 2}
 def _dequantized(kind: str, planes, k: int) -> torch.Tensor:
     if kind == "F16":
         return planes[0].to(torch.float32)
-    if kind in INTERLEAVED.values():
-        kind, planes = kind[:-2], deinterleave_rows(planes)
+    if kind in STORED:
+        kind, planes = STORED[kind], deinterleave_rows(planes)
     return QuantizedTensor(kind, (planes[0].shape[0], k), dict(zip(PLANES[kind], planes))).dequant().to(torch.float32)
 
 
