@@ -155,17 +155,20 @@ def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str)
     return torch.cat([turned, x[:, r:]], dim=1)
 
 
-@pytest.mark.parametrize("head_dim, rope_dim, layout, dtype", [(64, 64, "interleaved", torch.float32),
-                                                               (40, 32, "half", torch.float32),
-                                                               (64, 64, "interleaved", torch.float16)])
-def test_decode_attention_equals_torch_sdpa(head_dim, rope_dim, layout, dtype, tmp_path):
+@pytest.mark.parametrize("head_dim, rope_dim, layout, dtype, cpus", [(64, 64, "interleaved", torch.float32, 1),
+                                                                     (64, 64, "interleaved", torch.float32, 4),
+                                                                     (40, 32, "half", torch.float32, 4),
+                                                                     (64, 64, "interleaved", torch.float16, 1)])
+def test_decode_attention_equals_torch_sdpa(head_dim, rope_dim, layout, dtype, cpus, monkeypatch, tmp_path):
     """The attention kernel (layer 1 of 2, 16 positions a page, 6 query heads on 2 kv heads,
     sequences of 37 and 70 positions on shuffled pages) rotates q and the new k, writes the new k
     and v into their page's slot in place (and nothing else), and equals torch's
     scaled_dot_product_attention over K/V gathered position by position. head_dim 40: the
     kernel's 8-value tail alone (64: its 64-value chunks), and rotary over 32 of the 40 dims. A float16
     cache: the new k and v stored as torch's `.half()` rounds them (to within one unit in the last
-    place: k is rotated in float32 by the kernel, in float64 here), the cached values read exactly."""
+    place: k is rotated in float32 by the kernel, in float64 here), the cached values read exactly.
+    Exported for 1 CPU, each workgroup takes a sequence with both kv heads (and prefetches their
+    whole next page); for 4, a (sequence, kv head)."""
     import iree.runtime as rt
     from iree.turbine import aot
 
@@ -185,6 +188,7 @@ def test_decode_attention_equals_torch_sdpa(head_dim, rope_dim, layout, dtype, t
     cos, sin = angles.cos().float(), angles.sin().float()
     scale = 0.7 / head_dim ** 0.5
 
+    monkeypatch.setattr(kernels, "_cpus", lambda: cpus)
     # the kernel updates the cache in place: functionalized in the form turbine imports, as the exporter does
     with kernels.enabled(), torch._export.config.patch(enable_auto_functionalized_v2_for_export=False):
         exported = aot.export(_Attention(cache, 1, scale, layout), strict_export=False,
@@ -192,6 +196,7 @@ def test_decode_attention_equals_torch_sdpa(head_dim, rope_dim, layout, dtype, t
     mlir, vmfb = tmp_path / "m.mlir", tmp_path / "m.vmfb"
     exported.save_mlir(mlir)
     assert f"sharkport_decode_attention{'_f16' if dtype == torch.float16 else ''}(" in mlir.read_text()
+    assert ("_w2" in mlir.read_text()) == (cpus == 1), "kv heads a workgroup"
     compile_mlir(mlir, vmfb)
     config = rt.Config("local-task")
     ctx = rt.SystemContext(config=config)
@@ -215,6 +220,17 @@ def test_decode_attention_equals_torch_sdpa(head_dim, rope_dim, layout, dtype, t
         qr = _rotated(q[b, 0], cos[b, 0], sin[b, 0], layout)
         want = torch.nn.functional.scaled_dot_product_attention(qr[:, None], k_all, v_all, scale=scale)[:, 0]
         np.testing.assert_allclose(got[b, 0], want.numpy(), rtol=0, atol=2e-6 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("batch, kv_heads, gd, cpus, want", [
+    (1, 3, 192, 2, 1),  # SmolLM2 decode bs1 on 2 CPUs: a workgroup per kv head
+    (4, 3, 192, 2, 3),  # bs4: a workgroup per sequence
+    (2, 4, 128, 4, 2),  # two sequences on 4 CPUs: two workgroups each
+    (4, 8, 512, 2, 4),  # 8 kv heads of 512 values a group: 4 fill MAX_GD
+    (8, 3, 192, 64, 1)])  # more CPUs than (sequence, kv head) pairs
+def test_attention_workgroups_leave_one_for_each_cpu(batch, kv_heads, gd, cpus, want, monkeypatch):
+    monkeypatch.setattr(kernels, "_cpus", lambda: cpus)
+    assert kernels.kv_heads_per_workgroup(batch, kv_heads, gd) == want
 
 
 class _PrefillAttention(torch.nn.Module):

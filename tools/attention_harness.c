@@ -1,7 +1,8 @@
 // Times sharkport/kernels/matvec.c's decode attention outside IREE: SmolLM2-135M's shapes (9
 // query heads, 3 kv heads, head_dim 64, 30 layers, 32 positions a page), B sequences of LEN
 // positions each, every layer of a step in turn (a barrier after each, as IREE's dispatches), its
-// workgroups shared round robin among THREADS threads. CACHES distinct caches are used in turn
+// workgroups (a sequence and as many of its kv heads as the exporter gives one for THREADS CPUs:
+// kernels.kv_heads_per_workgroup) shared round robin among THREADS threads. CACHES distinct caches are used in turn
 // (1: small ones stay in the caches; 4 at 480 positions, 88 MB: read from memory, as in decode,
 // where a step's weights evict the cache between layers); `f16` at the end: a float16 cache
 // (sharkport_decode_attention_f16). Prints the best of 5 trials.
@@ -24,15 +25,17 @@
 void sharkport_decode_attention(MEMREF(const float), MEMREF(const float), MEMREF(const int64_t),
                                 MEMREF(const int64_t), MEMREF(const int64_t), MEMREF(const float),
                                 MEMREF(const float), MEMREF(float), size_t blocks, size_t H, size_t Hkv, size_t D,
-                                size_t L, size_t stride, size_t R, size_t interleaved, float scale, size_t wg);
+                                size_t L, size_t stride, size_t R, size_t interleaved, size_t hpw, float scale,
+                                size_t wg);
 void sharkport_decode_attention_f16(MEMREF(const float), MEMREF(const uint16_t), MEMREF(const int64_t),
                                     MEMREF(const int64_t), MEMREF(const int64_t), MEMREF(const float),
                                     MEMREF(const float), MEMREF(float), size_t blocks, size_t H, size_t Hkv, size_t D,
-                                    size_t L, size_t stride, size_t R, size_t interleaved, float scale, size_t wg);
+                                    size_t L, size_t stride, size_t R, size_t interleaved, size_t hpw, float scale,
+                                    size_t wg);
 
 enum { H = 9, HKV = 3, D = 64, L = 30, STRIDE = 32 };
 static int F16;
-static size_t B, LEN, CACHES, THREADS, REPS, BLOCKS;
+static size_t B, LEN, CACHES, THREADS, REPS, BLOCKS, HPW;
 static void **caches;
 static float *q, *out, *rcos, *rsin;
 static int64_t *pages, *lens;
@@ -44,14 +47,15 @@ static void *worker(void *arg) {
     for (size_t c = 0; c < CACHES; ++c)
       for (size_t l = 0; l < L; ++l) {
         int64_t layer[2] = {(int64_t)l, L};
-        for (size_t wg = t; wg < B * HKV; wg += THREADS)
+        for (size_t wg = t; wg < B * (HKV / HPW); wg += THREADS)
           if (F16)
             sharkport_decode_attention_f16(ARG(q), ARG((uint16_t *)caches[c]), ARG(pages), ARG(lens), ARG(layer),
-                                           ARG(rcos), ARG(rsin), ARG(out), BLOCKS, H, HKV, D, L, STRIDE, D, 1, 0.125f,
-                                           wg);
+                                           ARG(rcos), ARG(rsin), ARG(out), BLOCKS, H, HKV, D, L, STRIDE, D, 1, HPW,
+                                           0.125f, wg);
           else
             sharkport_decode_attention(ARG(q), ARG((float *)caches[c]), ARG(pages), ARG(lens), ARG(layer),
-                                       ARG(rcos), ARG(rsin), ARG(out), BLOCKS, H, HKV, D, L, STRIDE, D, 1, 0.125f, wg);
+                                       ARG(rcos), ARG(rsin), ARG(out), BLOCKS, H, HKV, D, L, STRIDE, D, 1, HPW,
+                                       0.125f, wg);
         pthread_barrier_wait(&barrier);
       }
   return 0;
@@ -75,6 +79,8 @@ int main(int argc, char **argv) {
     return 2;
   }
   BLOCKS = (LEN + STRIDE - 1) / STRIDE;
+  for (HPW = HKV; HPW > 1 && (HKV % HPW || B * (HKV / HPW) < THREADS); --HPW) {
+  }  // kv heads a workgroup takes, as kernels.kv_heads_per_workgroup chooses for THREADS CPUs
   size_t page_count = B * BLOCKS, page_elems = (size_t)L * 2 * STRIDE * HKV * D;
   caches = malloc(CACHES * sizeof *caches);
   for (size_t c = 0; c < CACHES; ++c) {
@@ -107,8 +113,8 @@ int main(int argc, char **argv) {
   }
   double bytes = (double)B * L * 2 * HKV * D * (F16 ? 2 : 4) * LEN, sum = 0;
   for (size_t i = 0; i < B * H * D; ++i) sum += out[i];
-  printf("%s cache, B %zu, %zu positions, %zu caches, %zu threads: %.1f us a step (30 layers), %.1f GB/s of K and V"
-         " (output sum %.6f)\n",
-         F16 ? "float16" : "float32", B, LEN, CACHES, THREADS, best * 1e6, bytes / best / 1e9, sum);
+  printf("%s cache, B %zu, %zu positions, %zu caches, %zu threads, %zu kv heads a workgroup: %.1f us a step (30 layers),"
+         " %.1f GB/s of K and V (output sum %.6f)\n",
+         F16 ? "float16" : "float32", B, LEN, CACHES, THREADS, HPW, best * 1e6, bytes / best / 1e9, sum);
   return 0;
 }

@@ -27,6 +27,7 @@ compiling needs only this module). Eagerly the ops compute the same in torch."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import os
 import platform
@@ -195,6 +196,7 @@ def decode_attention(q, k, v, cache_state, cache, layer, page_ids, start_positio
 
     shape = AttentionShape(H, cache.kv_heads, D, cache.block_count, cache.stride,
                            D ** -0.5 if scale is None else float(scale), rope_dim, rope_layout, element)
+    walk = dataclasses.replace(shape, kv_heads_per_workgroup=kv_heads_per_workgroup(B, cache.kv_heads, G * D))
     cos, sin = (t.reshape(B, -1) for t in rope) if rope is not None else (q.reshape(B, -1),) * 2  # unread
     # The layer as a tensor operand (one traced block may serve every layer). A constant layer is
     # given with the layer count after it: IREE fills a one-value constant by a dispatch on every
@@ -204,8 +206,26 @@ def decode_attention(q, k, v, cache_state, cache, layer, page_ids, start_positio
     else:
         layer = torch.tensor([layer, cache.block_count])
     kv_write_op(shape)(k.reshape(B, -1), v.reshape(B, -1), cache_state, page_ids, start_positions, layer, cos, sin)
-    out = attention_op(shape)(q.reshape(B, H * D), cache_state, page_ids, seq_lens, layer, cos, sin)
+    out = attention_op(walk)(q.reshape(B, H * D), cache_state, page_ids, seq_lens, layer, cos, sin)
     return out.view(B, 1, H, D)
+
+
+def kv_heads_per_workgroup(batch: int, kv_heads: int, gd: int) -> int:
+    """How many of a sequence's kv heads each decode attention workgroup takes (`gd`: query heads
+    per kv head times head_dim): the most, a divisor of kv_heads, that still leaves a workgroup
+    for each CPU this process may run on (as many as the runner's IREE workers). A workgroup with
+    all of them reads each page's K and V whole, in address order, and prefetches the next page
+    whole, where one (sequence, kv head) a workgroup reads a third of each row (SmolLM2: 3 kv
+    heads) and its neighbours the rest: decode bs4's attention 1.09 -> 0.80 ms a step in
+    tools/attention_harness.c from memory. With fewer sequences than CPUs, more workgroups share
+    each sequence (batch 1: one per kv head)."""
+    fits = [w for w in range(1, kv_heads + 1) if kv_heads % w == 0 and w * gd <= MAX_GD]
+    return max([w for w in fits if batch * (kv_heads // w) >= _cpus()], default=1)
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def prefill_attention(q, k, v, scale: float | None = None, window: int = 0, logit_cap: float = 0.0):

@@ -588,10 +588,11 @@ DEFINE_KERNELS(F16, f16)
 // The cache is sharkport.layers.PagedCache's flat [pages, L, 2 (K, V), stride, Hkv, D], of float32
 // (sharkport_decode_*) or float16 (sharkport_decode_*_f16: half the bytes to read; written rounded
 // to nearest even as torch's .half(), read exactly).
-// Each workgroup takes one (sequence, kv head): the write, its slot of the new position; the
-// attention, its G query heads, so that K and V are read once, walking the sequence a page at a
-// time with a running softmax (scores of a page, their max, the earlier sums rescaled), in
-// float32 throughout. The functions below take `f16` (whether the cache is float16) as a
+// The write's workgroups take one (sequence, kv head) each: its slot of the new position. The
+// attention's take a sequence and one or more of its kv heads (all of them when there are enough
+// sequences for the CPUs), each with its G query heads, so that K and V are read once, walking
+// the sequence a page at a time with a running softmax (scores of a page, their max, the earlier
+// sums rescaled), in float32 throughout. The functions below take `f16` (whether the cache is float16) as a
 // constant: each exported function inlines them for its element type.
 
 // Eight cache values from element i of base, as float32.
@@ -684,22 +685,37 @@ INLINE void page_scores(const int f16, const float *qh, const void *k, size_t sl
   }
 }
 
-// A page's K and V come from memory (a step's weights evict them between layers): each position
-// of page_values prefetches the next NEXT_PAGE_LINES lines of the next page's K and V into L2, *pf
-// advancing to pf_end (tools/attention_harness.c, 480 positions, 2 threads: 1.05x).
-#define NEXT_PAGE_LINES 3
+// A page's K and V come from memory (a step's weights evict them between layers): while a
+// workgroup walks one page, it prefetches into L2 its rows of the next page (its kv heads' `seg`
+// bytes of each position, K then V), `per_position` lines for each position its query heads
+// pass over, so that the whole next page is asked for along the way.
+typedef struct {
+  const char *k;     // the next page's first K row of the workgroup's kv heads (0: no next page)
+  size_t slot, seg;  // bytes from one position's row to the next, bytes of the workgroup's heads in a row
+  size_t v, n;       // bytes from K to V, positions of the next page
+  size_t j, at;      // the next line: position j, byte `at` of its K segment then V segment
+  size_t per_position;
+} next_page;
+
+INLINE void prefetch_next_page(next_page *pf) {
+  for (size_t i = 0; i < pf->per_position && pf->j < pf->n; ++i) {
+    const char *row = pf->k + pf->j * pf->slot;
+    _mm_prefetch(pf->at < pf->seg ? row + pf->at : row + pf->v + pf->at - pf->seg, _MM_HINT_T1);
+    if ((pf->at += 64) >= 2 * pf->seg) pf->at = 0, ++pf->j;
+  }
+}
 
 // ah [D] = ah * rescale + sum over j < n of p[j] v[j] (v[j] at v + j * slot): 64 values of d at a
 // time in eight registers (eight independent chains), then 8.
 INLINE void page_values(const int f16, float *ah, const float *p, const void *v, size_t slot, size_t n, size_t D,
-                        float rescale, const char **pf, const char *pf_end) {
+                        float rescale, next_page *pf) {
   const __m256 r = _mm256_set1_ps(rescale);
   size_t d = 0;
   for (; d + 64 <= D; d += 64) {
     __m256 a[8];
     for (int i = 0; i < 8; ++i) a[i] = _mm256_mul_ps(_mm256_loadu_ps(ah + d + 8 * i), r);
     for (size_t j = 0; j < n; ++j) {
-      for (int i = 0; i < NEXT_PAGE_LINES && *pf < pf_end; ++i, *pf += 64) _mm_prefetch(*pf, _MM_HINT_T1);
+      prefetch_next_page(pf);
       __m256 pj = _mm256_broadcast_ss(p + j);
       size_t vj = j * slot + d;
       for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(pj, load8(f16, v, vj + 8 * i), a[i]);
@@ -739,40 +755,48 @@ INLINE float page_softmax(float *p, size_t n, float *run_max, float *run_sum) {
 }
 
 // q [B, H D] (before rotary) attends to positions [0, len) of the cache; pages [B, blocks];
-// layer, rcos and rsin as above; out [B, H D]. MAX_GD (query heads per kv head times head_dim)
-// and MAX_STRIDE come from CFLAGS.
+// layer, rcos and rsin as above; out [B, H D]. Workgroup wg takes one sequence and `hpw` of its
+// kv heads (kernels.ops.AttentionShape.kv_heads_per_workgroup): with all of them, it reads each
+// page's K and V whole, in address order, once; with fewer, more workgroups share the sequence.
+// It walks the pages once, each page's kv heads and their query heads in turn. MAX_GD (query heads
+// per workgroup times head_dim) and MAX_STRIDE come from CFLAGS.
 INLINE void attention(const int f16, const float *q, const void *cache, const int64_t *pages, const int64_t *lens,
                       const int64_t *layer, const float *rcos, const float *rsin, float *out, size_t blocks, size_t H,
-                      size_t Hkv, size_t D, size_t L, size_t stride, size_t R, size_t interleaved, float scale,
-                      size_t wg) {
-  size_t b = wg / Hkv, g = wg % Hkv, G = H / Hkv;
-  if (G * D > MAX_GD || stride > MAX_STRIDE || D % 8 || R > D) return;  // never traced: kernels routes only these
+                      size_t Hkv, size_t D, size_t L, size_t stride, size_t R, size_t interleaved, size_t hpw,
+                      float scale, size_t wg) {
+  if (!hpw || Hkv % hpw) return;  // never traced: kernels routes only these
+  size_t b = wg / (Hkv / hpw), g0 = wg % (Hkv / hpw) * hpw, G = H / Hkv, heads = hpw * G;
+  if (heads * D > MAX_GD || stride > MAX_STRIDE || D % 8 || R > D) return;
   const int64_t *page_ids = pages + b * blocks;
   size_t len = (size_t)lens[b], l = (size_t)layer[0], bytes = f16 ? 2 : 4;
   size_t slot_elems = Hkv * D, kv_elems = stride * slot_elems;  // one K (or V) of a page and layer
-  float qb[MAX_GD];  // the G query heads of kv head g, rotated, [G, D]
-  for (size_t h = 0; h < G; ++h)
-    rope(qb + h * D, q + (b * H + g * G + h) * D, rcos + b * (R / 2), rsin + b * (R / 2), D, R, (int)interleaved);
+  float qb[MAX_GD];  // the workgroup's query heads (those of kv heads g0 ..), rotated, [heads, D]
+  for (size_t h = 0; h < heads; ++h)
+    rope(qb + h * D, q + (b * H + g0 * G + h) * D, rcos + b * (R / 2), rsin + b * (R / 2), D, R, (int)interleaved);
   float acc[MAX_GD], run_max[MAX_GD / 8], run_sum[MAX_GD / 8], p[MAX_STRIDE];
-  for (size_t i = 0; i < G * D; ++i) acc[i] = 0.0f;
-  for (size_t h = 0; h < G; ++h) run_max[h] = -__builtin_inff(), run_sum[h] = 0.0f;
+  for (size_t i = 0; i < heads * D; ++i) acc[i] = 0.0f;
+  for (size_t h = 0; h < heads; ++h) run_max[h] = -__builtin_inff(), run_sum[h] = 0.0f;
   for (size_t t0 = 0; t0 < len; t0 += stride) {
     size_t n = len - t0 < stride ? len - t0 : stride;
     const char *page = (const char *)cache + ((size_t)page_ids[t0 / stride] * L + l) * 2 * kv_elems * bytes;
-    const void *k = page + g * D * bytes, *v = page + (kv_elems + g * D) * bytes;
-    const char *pf = 0, *pf_end = 0;  // the next page's K and V, prefetched along the way
+    next_page pf = {0};
     if (t0 + stride < len) {
-      pf = (const char *)cache + ((size_t)page_ids[t0 / stride + 1] * L + l) * 2 * kv_elems * bytes;
-      pf_end = pf + 2 * kv_elems * bytes;
+      size_t seg = hpw * D * bytes, next_n = len - t0 - stride < stride ? len - t0 - stride : stride;
+      pf = (next_page){(const char *)cache + ((size_t)page_ids[t0 / stride + 1] * L + l) * 2 * kv_elems * bytes +
+                           g0 * D * bytes,
+                       slot_elems * bytes, seg, kv_elems * bytes, next_n, 0, 0,
+                       (2 * next_n * ((seg + 63) / 64) + heads * n - 1) / (heads * n)};
     }
-    for (size_t h = 0; h < G; ++h) {
+    for (size_t h = 0; h < heads; ++h) {
+      size_t g = g0 + h / G;
+      const void *k = page + g * D * bytes, *v = page + (kv_elems + g * D) * bytes;
       page_scores(f16, qb + h * D, k, slot_elems, n, D, scale, p);
       float rescale = page_softmax(p, n, run_max + h, run_sum + h);
-      page_values(f16, acc + h * D, p, v, slot_elems, n, D, rescale, &pf, pf_end);
+      page_values(f16, acc + h * D, p, v, slot_elems, n, D, rescale, &pf);
     }
   }
-  float *ob = out + (b * H + g * G) * D;
-  for (size_t h = 0; h < G; ++h)
+  float *ob = out + (b * H + g0 * G) * D;
+  for (size_t h = 0; h < heads; ++h)
     for (size_t d = 0; d < D; ++d) ob[h * D + d] = acc[h * D + d] / run_sum[h];
 }
 
@@ -780,10 +804,10 @@ INLINE void attention(const int f16, const float *q, const void *cache, const in
   MEMREF(const float, q), MEMREF(const T, cache), MEMREF(const int64_t, pages), MEMREF(const int64_t, lens),  \
       MEMREF(const int64_t, layer), MEMREF(const float, rcos), MEMREF(const float, rsin), MEMREF(float, out), \
       size_t blocks, size_t H, size_t Hkv, size_t D, size_t L, size_t stride, size_t R, size_t interleaved,   \
-      float scale, size_t wg
+      size_t hpw, float scale, size_t wg
 #define ATTENTION(f16)                                                                                        \
   attention(f16, BASE(q), BASE(cache), BASE(pages), BASE(lens), BASE(layer), BASE(rcos), BASE(rsin), BASE(out), \
-            blocks, H, Hkv, D, L, stride, R, interleaved, scale, wg)
+            blocks, H, Hkv, D, L, stride, R, interleaved, hpw, scale, wg)
 void sharkport_decode_attention(ATTENTION_ARGS(float)) { ATTENTION(0); }
 void sharkport_decode_attention_f16(ATTENTION_ARGS(uint16_t)) { ATTENTION(1); }
 

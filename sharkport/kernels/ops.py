@@ -198,6 +198,10 @@ class AttentionShape:
     rope_dim: int = 0  # dims each head rotates (0: no rotary)
     rope_layout: str = "interleaved"  # pairs (2i, 2i+1), or "half": (i, i + rope_dim/2)
     cache_dtype: str = "f32"  # of the cache's elements: "f32" or "f16"
+    # the attention's workgroups take a sequence and this many of its kv heads (a divisor of
+    # kv_heads): all of them read each page whole, in address order; fewer share a sequence among
+    # more workgroups (kernels.decode_attention chooses). The write's take one kv head each.
+    kv_heads_per_workgroup: int = 1
 
     @property
     def scale_bits(self) -> int:
@@ -207,8 +211,9 @@ class AttentionShape:
     @property
     def name(self) -> str:
         rope = f"_r{self.rope_dim}{'i' if self.rope_layout == 'interleaved' else 'h'}" if self.rope_dim else ""
+        walk = f"_w{self.kv_heads_per_workgroup}" if self.kv_heads_per_workgroup > 1 else ""
         return (f"sharkport_decode_attention_h{self.heads}_kv{self.kv_heads}_d{self.head_dim}"
-                f"_l{self.layers}_s{self.stride}_x{self.scale_bits:08x}{rope}{self.c_suffix}")
+                f"_l{self.layers}_s{self.stride}_x{self.scale_bits:08x}{rope}{walk}{self.c_suffix}")
 
     @property
     def c_suffix(self) -> str:
@@ -229,10 +234,10 @@ def _attention_args(shape: AttentionShape):
             ("layer", "i64", 1), ("cos", "f32", 2), ("sin", "f32", 2))
 
 
-def _paged_module(name: str, c_name: str, args, constants: list[tuple[str, str]], kv_heads: int,
+def _paged_module(name: str, c_name: str, args, constants: list[tuple[str, str]], per_sequence: int,
                   in_place: bool) -> str:
     """MLIR module text of util.func `name` over tensor operands `args` (see _attention_args),
-    dispatching C function `c_name` over B * kv_heads workgroups (B: the first operand's rows).
+    dispatching C function `c_name` over B * per_sequence workgroups (B: the first operand's rows).
     The C function takes each operand's memref (and the result's, unless `in_place`), then the
     pages' columns (blocks), the `constants` (MLIR value, type) and the workgroup id. Its result
     is the "cache" operand updated in place when `in_place`, else a new tensor shaped as the first
@@ -290,8 +295,8 @@ module {{
     %c1 = arith.constant 1 : index
 {dim_ops}
 {counts}
-    %hkv = arith.constant {kv_heads} : index
-    %wgs = arith.muli %a0d0, %hkv : index
+    %per_sequence = arith.constant {per_sequence} : index
+    %wgs = arith.muli %a0d0, %per_sequence : index
 {rows}
     %y = flow.dispatch @{name}_executable::@{name}_entry[%wgs]({", ".join(f"%a{i}" for i in range(n))}, {", ".join(f"%n{i}" for i in range(n))}, %a{pages}d1) : ({operands}, {", ".join(["index"] * n)}, index) -> {result}
     util.return %y : {result_type}
@@ -302,7 +307,8 @@ module {{
 def _constants(shape: AttentionShape, *names: str) -> list[tuple[str, str]]:
     """The C function's constant arguments `names` of `shape`, in order, as (MLIR value, type)."""
     sizes = {"H": shape.heads, "Hkv": shape.kv_heads, "D": shape.head_dim, "L": shape.layers,
-             "stride": shape.stride, "R": shape.rope_dim, "interleaved": int(shape.rope_layout == "interleaved")}
+             "stride": shape.stride, "R": shape.rope_dim, "interleaved": int(shape.rope_layout == "interleaved"),
+             "hpw": shape.kv_heads_per_workgroup}
     return [(f"0x{shape.scale_bits:08X}", "f32") if n == "scale" else (str(sizes[n]), "index") for n in names]
 
 
@@ -387,10 +393,10 @@ def attention_op(shape: AttentionShape):
             return _attention_eager(shape, *args)
 
         def generate(self, ksel: KernelSelection, kb: KernelBuilder):
-            constants = _constants(shape, "H", "Hkv", "D", "L", "stride", "R", "interleaved", "scale")
+            constants = _constants(shape, "H", "Hkv", "D", "L", "stride", "R", "interleaved", "hpw", "scale")
             call_mlir_function(kb, shape.name, lambda: _paged_module(
-                shape.name, f"sharkport_decode_attention{shape.c_suffix}", operands, constants, shape.kv_heads,
-                in_place=False))
+                shape.name, f"sharkport_decode_attention{shape.c_suffix}", operands, constants,
+                shape.kv_heads // shape.kv_heads_per_workgroup, in_place=False))
 
     Op.__name__ = shape.name
     return CustomOp.register(library=_LIBRARY)(Op)
