@@ -687,21 +687,23 @@ INLINE void page_scores(const int f16, const float *qh, const void *k, size_t sl
 
 // A page's K and V come from memory (a step's weights evict them between layers): while a
 // workgroup walks one page, it prefetches into L2 its rows of the next page (its kv heads' `seg`
-// bytes of each position, K then V), `per_position` lines for each position its query heads
-// pass over, so that the whole next page is asked for along the way.
+// bytes of each position's row; the whole page when it takes every kv head), K's then V's,
+// `per_position` lines for each position its query heads pass over, so that all of them are
+// asked for along the way.
 typedef struct {
-  const char *k;     // the next page's first K row of the workgroup's kv heads (0: no next page)
-  size_t slot, seg;  // bytes from one position's row to the next, bytes of the workgroup's heads in a row
-  size_t v, n;       // bytes from K to V, positions of the next page
-  size_t j, at;      // the next line: position j, byte `at` of its K segment then V segment
-  size_t per_position;
+  const char *row;   // the segment of the row the next line is in (K's rows, then V's)
+  size_t off, seg;   // the next line's offset in it, the segment's bytes
+  size_t slot, left; // bytes from a row to the next, rows left (of K, then of V)
+  const char *v;     // V's first row, until the walk gets there (0: no next page, or on V)
+  size_t rows, per_position;
 } next_page;
 
 INLINE void prefetch_next_page(next_page *pf) {
-  for (size_t i = 0; i < pf->per_position && pf->j < pf->n; ++i) {
-    const char *row = pf->k + pf->j * pf->slot;
-    _mm_prefetch(pf->at < pf->seg ? row + pf->at : row + pf->v + pf->at - pf->seg, _MM_HINT_T1);
-    if ((pf->at += 64) >= 2 * pf->seg) pf->at = 0, ++pf->j;
+  for (size_t i = 0; i < pf->per_position && pf->left; ++i) {
+    _mm_prefetch(pf->row + pf->off, _MM_HINT_T1);
+    if ((pf->off += 64) < pf->seg) continue;
+    pf->off = 0, pf->row += pf->slot;
+    if (!--pf->left && pf->v) pf->row = pf->v, pf->v = 0, pf->left = pf->rows;
   }
 }
 
@@ -781,11 +783,11 @@ INLINE void attention(const int f16, const float *q, const void *cache, const in
     const char *page = (const char *)cache + ((size_t)page_ids[t0 / stride] * L + l) * 2 * kv_elems * bytes;
     next_page pf = {0};
     if (t0 + stride < len) {
-      size_t seg = hpw * D * bytes, next_n = len - t0 - stride < stride ? len - t0 - stride : stride;
-      pf = (next_page){(const char *)cache + ((size_t)page_ids[t0 / stride + 1] * L + l) * 2 * kv_elems * bytes +
-                           g0 * D * bytes,
-                       slot_elems * bytes, seg, kv_elems * bytes, next_n, 0, 0,
-                       (2 * next_n * ((seg + 63) / 64) + heads * n - 1) / (heads * n)};
+      size_t rows = len - t0 - stride < stride ? len - t0 - stride : stride, seg = hpw * D * bytes;
+      const char *k = (const char *)cache + ((size_t)page_ids[t0 / stride + 1] * L + l) * 2 * kv_elems * bytes +
+                      g0 * D * bytes;
+      pf = (next_page){k, 0, seg, slot_elems * bytes, rows, k + kv_elems * bytes, rows,
+                       (2 * rows * ((seg + 63) / 64) + heads * n - 1) / (heads * n)};
     }
     for (size_t h = 0; h < heads; ++h) {
       size_t g = g0 + h / G;
