@@ -36,7 +36,7 @@ from pathlib import Path
 from bench import Subject
 
 from sharkport.compile import compile_mlir
-from sharkport.kernels import object_name, objects_named_by
+from sharkport.kernels import cache_dir, object_name, objects_named_by
 
 
 def functions(elf: Path) -> list[tuple[int, int, str]]:
@@ -58,6 +58,22 @@ def functions(elf: Path) -> list[tuple[int, int, str]]:
         if len(parts) == 4 and parts[2].lower() == "t":
             found[int(parts[0], 16)] = (int(parts[1], 16), parts[3])
     return sorted((a, s, n) for a, (s, n) in found.items())
+
+
+def static_helpers(elf: Path, obj: Path, table: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
+    """(address, size, name) in `elf` of the kernels object's local functions (the loops' static
+    helpers, e.g. q4_x8_4), whose symbols the link drops: the object's one .text section is linked
+    whole, so a global kernel's address in both gives the offset."""
+    local, offset = [], None
+    at_elf = {n: a for a, _, n in table}
+    for line in subprocess.run(["nm", "-S", "--defined-only", str(obj)], capture_output=True, text=True,
+                               check=True).stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 4 and parts[2] == "T" and parts[3] in at_elf:
+            offset = at_elf[parts[3]] - int(parts[0], 16)
+        elif len(parts) == 4 and parts[2] == "t":
+            local.append((int(parts[0], 16), int(parts[1], 16), parts[3].split(".")[0]))
+    return [] if offset is None else [(a + offset, s, n) for a, s, n in local]
 
 
 def anonymous_mappings() -> list[tuple[int, int, str]]:
@@ -155,6 +171,9 @@ def main() -> None:
                 samples.append((int(parts[0], 16), parts[1].strip("() ")))
         base, lo, hi = image_of([ip for ip, _ in samples], mappings)
         table = functions(elf)
+        obj = cache_dir() / object_name()
+        if linked == {object_name()} and obj.exists():
+            table = sorted(table + static_helpers(elf, obj, table))
 
     counts = collections.Counter()
     for ip, dso in samples:

@@ -474,6 +474,17 @@ INLINE float silu(float g) {  // g * sigmoid(g), with exp only of non-positive v
   return g * (g < 0 ? e / (1.0f + e) : 1.0f / (1.0f + e));
 }
 
+// silu(g) * u of eight outputs at once, each as silu() computes it. At batch 4 the scalar form
+// took 8% of SmolLM2 Q4_1's decode step (an exp of one lane per output).
+INLINE __m256 swiglu8(__m256 g, __m256 u) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  __m256 negative = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
+  __m256 e = exp_nonpositive(_mm256_blendv_ps(_mm256_sub_ps(_mm256_setzero_ps(), g), g, negative));
+  __m256 one_e = _mm256_add_ps(one, e);
+  __m256 sigmoid = _mm256_blendv_ps(_mm256_div_ps(one, one_e), _mm256_div_ps(e, one_e), negative);
+  return _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), u);
+}
+
 // Rows n .. n + g - 1 of matrix w (g: 8 for interleaved weights, else 1) times rows [m0, m0 + mc)
 // of x (quantized in ws unless F16) into out[r][0, mc).
 INLINE void some_rows(int kind, workspace *ws, const float *x, const matrix *w, size_t n, size_t g, size_t mc,
@@ -527,8 +538,16 @@ INLINE void matvec(int kind, int op, const float *x, const matrix *w, size_t cou
       if (op == SWIGLU) {
         float up[8][MAX_M];
         some_rows(kind, &ws, x + m0 * K, &w[1], n, g, mc, K, up);
-        for (size_t r = 0; r < g; ++r)
-          for (size_t i = 0; i < mc; ++i) y[(m0 + i) * N + n + r] = silu(out[r][i]) * up[r][i];
+        if (g == 8) {  // each row of x's eight outputs at once: column i of out and up
+          const __m256i column = _mm256_setr_epi32(0, MAX_M, 2 * MAX_M, 3 * MAX_M, 4 * MAX_M, 5 * MAX_M, 6 * MAX_M,
+                                                   7 * MAX_M);
+          for (size_t i = 0; i < mc; ++i)
+            _mm256_storeu_ps(y + (m0 + i) * N + n, swiglu8(_mm256_i32gather_ps(&out[0][i], column, 4),
+                                                           _mm256_i32gather_ps(&up[0][i], column, 4)));
+        } else {
+          for (size_t r = 0; r < g; ++r)
+            for (size_t i = 0; i < mc; ++i) y[(m0 + i) * N + n + r] = silu(out[r][i]) * up[r][i];
+        }
       } else {
         for (size_t r = 0; r < g; ++r)
           for (size_t i = 0; i < mc; ++i) y[first * M + (m0 + i) * w[j].n + n - first + r] = out[r][i];
