@@ -14,8 +14,8 @@ and --matvec-kernels unless --no-matvec-kernels) and compile are timed; then
 all modules are loaded together and measured in interleaved rounds, so a busy machine slows
 them alike:
 - prefill tokens/s of a 128-token prompt at batch 1;
-- decode tokens/s at batch 1 and 4 (medians over the rounds' calls, one position a call from 128:
-  128 to 151 with the default 6 rounds);
+- decode tokens/s at batch 1 and 4 (medians over the rounds' calls, each round's after WARM_UP
+  unmeasured ones, one position a call from 128: 128 to 163 with the default 6 rounds);
 - the decode bandwidth limit: read bandwidth (measured once in every round; the median) ÷ bytes
   of weights read per token (every matrix once; with tied embeddings the output projection reads
   token_embd whole), for the weights as stored (the issue's target) and as float32 (what the `llvm-cpu` preset reads: it
@@ -23,7 +23,7 @@ them alike:
 - decode at batch 1 with 16 and 1024 pages allocated, positions 64 onwards (the first type only);
 - `transformers` eager decode (float32, its own KV cache) at batch 1, in the same rounds;
 - the KV cache is float32 unless --kv-cache-dtype float16 (as llama.cpp's): half the bytes that
-  decode attention reads, about 6.5 MB a step at the positions measured (7% of the Q4_1 weights'
+  decode attention reads, about 7 MB a step at the positions measured (7% of the Q4_1 weights'
   bytes; not counted in the limits), 22 MB at 480;
 - llama.cpp's decode (batch 1 and 4) and prefill of the same model at the same types, made by its own
   quantizer, in the same rounds (tools/llamacpp_reference.py), when llama-cpp-python is installed
@@ -65,6 +65,18 @@ EXPORT = ExportConfig(bs_prefill=(1, 4), bs_decode=(1, 4), block_seq_stride=STRI
                       device_block_count=64, max_seq_len=2048, matvec_kernels=True)
 # prefill returns only the logits the runner uses (export --prefill-final-logits)
 MODEL = ModelConfig(block_seq_stride=STRIDE, prefill_final_logits=True)
+
+
+# Decode steps of a batch size not measured in a round before its measured ones (each subject's
+# and llama.cpp's): the first steps after other modules' calls run slower (SmolLM2 Q4_1 bs1, the
+# median of 8 rounds by step after a prefill: 3.34, 3.30, 3.25, 3.15, 3.11, 3.05 ms), where
+# generation runs step after step.
+WARM_UP = 2
+
+
+def warm_up(decode, batch: int) -> None:
+    for _ in range(WARM_UP):
+        decode(batch)
 
 
 def timed(fn):
@@ -257,11 +269,14 @@ def main() -> None:
         for t, s in subjects.items():
             times[t, "prefill"].append(s.prefill())
             for batch in (1, 4):
+                warm_up(s.decode, batch)
                 times[t, batch] += [s.decode(batch) for _ in range(4)]
         hf_times += [hf.decode() for _ in range(4)]
         for t, s in llama.items():
             times[t, "llama.cpp prefill"].append(s.prefill())
+            warm_up(s.decode, 1)
             times[t, "llama.cpp"] += [s.decode(1) for _ in range(8)]
+            warm_up(s.decode, 4)
             times[t, "llama.cpp bs4"] += [s.decode(4) for _ in range(8)]
     del hf
     for s in llama.values():

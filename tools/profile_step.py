@@ -9,7 +9,7 @@ workers and the calling thread):
                                  [--mlir edited-copy-of-the-bench-module.mlir]
 
 Needs the module and archive tools/bench.py writes (run it first; `--types q4_1` for one type),
-Linux `perf` and binutils (`readelf`, `nm`). Decode runs at positions 128 to 151, as the bench's.
+Linux `perf` and binutils (`readelf`, `nm`). Decode runs at positions 128 to 163, as the bench's.
 
 IREE loads a module's executable (an ELF) into anonymous memory, where perf cannot name the
 functions. So the bench MLIR is compiled again with the same flags and
@@ -144,7 +144,7 @@ def main() -> None:
         def call() -> float:
             if args.function == "prefill":
                 return subject.prefill()
-            if subject.position[args.batch] >= subject.start + 24:  # positions 128 to 151, as the bench
+            if subject.position[args.batch] >= subject.start + 36:  # positions 128 to 163, as the bench
                 subject.position[args.batch] = subject.start
             return subject.decode(args.batch)
 
