@@ -65,12 +65,13 @@ def _compile_and_run(module, x, tmp_path):
     return np.array(out.to_host(), copy=True)
 
 
-@pytest.mark.parametrize("rows, n, k", [(1, 80, 96), (3, 83, 96), (2, 2104, 128), (8, 2100, 64)])
+@pytest.mark.parametrize("rows, n, k", [(1, 80, 96), (3, 83, 96), (4, 88, 160), (2, 2104, 128), (8, 2100, 64)])
 @pytest.mark.parametrize("kind", KINDS)
 def test_kernel_product_equals_gguf_dequantization(kind, rows, n, k, tmp_path):
-    """80 or 83 outputs: 2.5 workgroups of 32; 2104 and 2100: 9 workgroups of 256, the last
-    partial. Quantized weights of 80 and 2104 rows go interleaved eight rows at a time, those of 83
-    and 2100 one row at a time. Rows of 3 blocks (a pair and an odd one), 4 or 2. The first block of
+    """80, 83 or 88 outputs: 2.5 or 3 workgroups of 32; 2104 and 2100: 9 workgroups of 256, the
+    last partial. Quantized weights of 80, 88 and 2104 rows go interleaved eight rows at a time,
+    those of 83 and 2100 one row at a time. Rows of 3 or 5 blocks (pairs and an odd one), 4 or 2;
+    at one row of x, float16 rows of 96 values end in half of the kernel's step of 64. The first block of
     each row of x is ties: half-integers under a max of 127 (scale 1), so rounding half to even,
     not gguf's half away from zero, would move the product by whole weights."""
     rng = np.random.default_rng(rows)
