@@ -475,8 +475,8 @@ INLINE float silu(float g) {  // g * sigmoid(g), with exp only of non-positive v
   return g * (g < 0 ? e / (1.0f + e) : 1.0f / (1.0f + e));
 }
 
-// silu(g) * u of eight outputs at once, each as silu() computes it. At batch 4 the scalar form
-// took 8% of SmolLM2 Q4_1's decode step (an exp of one lane per output).
+// silu(g) * u of eight outputs at once, each as silu() computes it (which takes an exp of one
+// vector lane an output: SmolLM2 Q4_1 decode bs4 5.555 -> 5.384 ms).
 INLINE __m256 swiglu8(__m256 g, __m256 u) {
   const __m256 one = _mm256_set1_ps(1.0f);
   __m256 negative = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
@@ -612,8 +612,8 @@ DEFINE_KERNELS(F16, f16)
 // attention's take a sequence and one or more of its kv heads (all of them when there are enough
 // sequences for the CPUs), each with its G query heads, so that K and V are read once, walking
 // the sequence a page at a time with a running softmax (scores of a page, their max, the earlier
-// sums rescaled), in float32 throughout. The functions below take `f16` (whether the cache is float16) as a
-// constant: each exported function inlines them for its element type.
+// sums rescaled), in float32 throughout. The functions below take `f16` (whether the cache is
+// float16) as a constant: each exported function inlines them for its element type.
 
 // Eight cache values from element i of base, as float32.
 INLINE __m256 load8(const int f16, const void *base, size_t i) {
@@ -786,9 +786,10 @@ INLINE void attention(const int f16, const float *q, const void *cache, const in
                       const int64_t *layer, const float *rcos, const float *rsin, float *out, size_t blocks, size_t H,
                       size_t Hkv, size_t D, size_t L, size_t stride, size_t R, size_t interleaved, size_t hpw,
                       float scale, size_t wg) {
-  if (!hpw || Hkv % hpw) return;  // never traced: kernels routes only these
-  size_t b = wg / (Hkv / hpw), g0 = wg % (Hkv / hpw) * hpw, G = H / Hkv, heads = hpw * G;
-  if (heads * D > MAX_GD || stride > MAX_STRIDE || D % 8 || R > D) return;
+  size_t G = H / Hkv, heads = hpw * G;  // query heads a kv head, a workgroup
+  if (!hpw || Hkv % hpw || heads * D > MAX_GD || stride > MAX_STRIDE || D % 8 || R > D)
+    return;  // never traced: kernels routes only these
+  size_t b = wg / (Hkv / hpw), g0 = wg % (Hkv / hpw) * hpw;
   const int64_t *page_ids = pages + b * blocks;
   size_t len = (size_t)lens[b], l = (size_t)layer[0], bytes = f16 ? 2 : 4;
   size_t slot_elems = Hkv * D, kv_elems = stride * slot_elems;  // one K (or V) of a page and layer
