@@ -46,6 +46,12 @@ class _Linear(torch.nn.Module):
         return ops.linear(x, QuantizedTensor(self.type_name, self.shape, {n: getattr(self, n) for n in self.names}))
 
 
+@pytest.fixture
+def two_cpus(monkeypatch):
+    """Products split into workgroups as for 2 CPUs (kernels.workgroups), whatever the machine."""
+    monkeypatch.setattr(kernels, "_cpus", lambda: 2)
+
+
 def _compile_and_run(module, x, tmp_path):
     import iree.runtime as rt
     from iree.turbine import aot
@@ -67,9 +73,9 @@ def _compile_and_run(module, x, tmp_path):
 
 @pytest.mark.parametrize("rows, n, k", [(1, 80, 96), (3, 83, 96), (4, 88, 160), (2, 2104, 128), (8, 2100, 64)])
 @pytest.mark.parametrize("kind", KINDS)
-def test_kernel_product_equals_gguf_dequantization(kind, rows, n, k, tmp_path):
-    """80, 83 or 88 outputs: 2.5 or 3 workgroups of 32; 2104 and 2100: 9 workgroups of 256, the
-    last partial. Quantized weights of 80, 88 and 2104 rows go interleaved eight rows at a time,
+def test_kernel_product_equals_gguf_dequantization(kind, rows, n, k, two_cpus, tmp_path):
+    """On 2 CPUs, 80, 83 or 88 outputs: 3 workgroups of 32; 2104 and 2100: 9 workgroups of 256;
+    the last partial. Quantized weights of 80, 88 and 2104 rows go interleaved eight rows at a time,
     those of 83 and 2100 one row at a time. Rows of 3 or 5 blocks (pairs and an odd one), 4 or 2;
     at one row of x, float16 rows of 96 values end in half of the kernel's step of 64. The first block of
     each row of x is ties: half-integers under a max of 127 (scale 1), so rounding half to even,
@@ -111,8 +117,9 @@ class _Fused(torch.nn.Module):
 @pytest.mark.parametrize("form, sizes", [("qkv", [80, 42, 26]), ("qkv", [80, 48, 24]), ("swiglu", [83, 83]),
                                          ("swiglu", [88, 88])])
 @pytest.mark.parametrize("kind", KINDS)
-def test_fused_products_equal_gguf_dequantization(kind, form, sizes, tmp_path):
-    """One dispatch for q, k, v of 80, 42 and 26 outputs (workgroups of 32 span two matrices), or
+def test_fused_products_equal_gguf_dequantization(kind, form, sizes, two_cpus, tmp_path):
+    """One dispatch for q, k, v of 80, 42 and 26 outputs (on 2 CPUs, workgroups of 64 span two
+    matrices), or
     for silu(x gate^T) * (x up^T). Quantized matrices whose rows are all a multiple of 8 go
     interleaved (80, 48, 24; 88), the others one row at a time."""
     rng = np.random.default_rng(7)

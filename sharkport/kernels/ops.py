@@ -12,8 +12,8 @@ from iree.turbine.runtime.op_reg import CustomOp, KernelBuilder, KernelSelection
 
 from ..archive.tensors import QuantizedTensor
 from ..mlir_ops import call_mlir_function
-from . import (MAX_ROWS_PER_WORKGROUP, PLANES, ROW_QUANTUM, SIZES, STORED, WORKGROUPS, deinterleave_rows, object_path,
-               quantized_x)
+from . import (MAX_ROWS_PER_WORKGROUP, PLANES, ROW_QUANTUM, SIZES, STORED, deinterleave_rows, object_path,
+               quantized_x, workgroups)
 
 
 _LIBRARY = def_library("sharkport_kernels")
@@ -123,7 +123,7 @@ module {{
 {dim_ops}
 {n_values}
 {sums}
-    %rows = affine.min affine_map<()[s0] -> ((s0 ceildiv {ROW_QUANTUM * WORKGROUPS}) * {ROW_QUANTUM}, {MAX_ROWS_PER_WORKGROUP})>()[%total]
+    %rows = affine.min affine_map<()[s0] -> ((s0 ceildiv {ROW_QUANTUM * workgroups()}) * {ROW_QUANTUM}, {MAX_ROWS_PER_WORKGROUP})>()[%total]
     %y = flow.dispatch @{c_name}_executable::@{c_name}_entry[%total, %rows]({args}, %a0d0, {", ".join(ns)}, %a0d1, %rows) : ({operand_types}, index, {"index, " * len(ns)}index, index) -> tensor<?x?xf32>{{%a0d0, %total}}
     util.return %y : tensor<?x?xf32>
   }}
