@@ -286,13 +286,9 @@ INLINE __m256i broadcast4(const int8_t *p) {  // 4 bytes at p in each 32-bit lan
   return _mm256_set1_epi32(v);
 }
 
-// Lane r of acc[i] (row r of an interleaved group times row i of x) into out[r][i].
-INLINE void group_outputs(const __m256 *acc, size_t MC, float out[8][MAX_M]) {
-  for (size_t i = 0; i < MC; ++i) {
-    float f[8];
-    _mm256_storeu_ps(f, acc[i]);
-    for (size_t r = 0; r < 8; ++r) out[r][i] = f[r];
-  }
+// acc[i] (lane r: row r of an interleaved group times row i of x) into out[i].
+INLINE void group_outputs(const __m256 *acc, size_t MC, float out[MAX_M][8]) {
+  for (size_t i = 0; i < MC; ++i) _mm256_storeu_ps(out[i], acc[i]);
 }
 
 // F(MC) for each row count MC of x, 1 .. MAX_M; AT_ROWS(name, MC) is name_<MC>, MC expanded
@@ -303,9 +299,9 @@ _Static_assert(MAX_M == 8, "FOR_EACH_ROW_COUNT covers each row count of x up to 
 #define AT_ROWS_NAMED(name, MC) name##_##MC
 
 // Rows 0..7 of an x8 group (blocks at qs, scales d and offsets m, 8 per block) times MC rows of x
-// (quantized in ws, blocks in order): out[r][i].
+// (quantized in ws, blocks in order): out[i][r].
 INLINE void q4_x8(const workspace *ws, int kind, const uint8_t *qs, const uint16_t *d, const uint16_t *m, size_t MC,
-                  size_t K, float out[8][MAX_M]) {
+                  size_t K, float out[MAX_M][8]) {
   size_t B = K / 32;
   const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   __m256 acc[MAX_M];
@@ -343,7 +339,7 @@ INLINE void q4_x8(const workspace *ws, int kind, const uint8_t *qs, const uint16
 // replaced: SmolLM2 Q4_1 decode bs4 12.10 -> 11.48 ms).
 #define Q4_X8_AT(MC)                                                                                     \
   NOINLINE void q4_x8_##MC(const workspace *ws, int kind, const uint8_t *qs, const uint16_t *d,        \
-                           const uint16_t *m, size_t K, float out[8][MAX_M]) {                          \
+                           const uint16_t *m, size_t K, float out[MAX_M][8]) {                          \
     q4_x8(ws, kind, qs, d, m, MC, K, out);                                                               \
   }
 FOR_EACH_ROW_COUNT(Q4_X8_AT)
@@ -358,7 +354,7 @@ FOR_EACH_ROW_COUNT(Q4_X8_AT)
 // -> 31.0 / 28.9; four rows of x in the caches 121.6 / 119.8 -> 70.2 / 70.4, from memory 73.9 /
 // 73.3 -> 46.0 / 46.7. SmolLM2 Q8_0 decode bs1 7.06 -> 6.99 ms, bs4 14.19 -> 10.83.
 INLINE void q8_x8(const workspace *ws, const int8_t *qs, const uint16_t *d, size_t MC, size_t K,
-                  float out[8][MAX_M]) {
+                  float out[MAX_M][8]) {
   size_t B = K / 32;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[MAX_M];
@@ -390,7 +386,7 @@ INLINE void q8_x8(const workspace *ws, const int8_t *qs, const uint16_t *d, size
 
 #define Q8_X8_AT(MC) /* as Q4_X8_AT */                                                                  \
   NOINLINE void q8_x8_##MC(const workspace *ws, const int8_t *qs, const uint16_t *d, size_t K,        \
-                           float out[8][MAX_M]) {                                                      \
+                           float out[MAX_M][8]) {                                                      \
     q8_x8(ws, qs, d, MC, K, out);                                                                       \
   }
 FOR_EACH_ROW_COUNT(Q8_X8_AT)
@@ -487,14 +483,16 @@ INLINE __m256 swiglu8(__m256 g, __m256 u) {
 }
 
 // Rows n .. n + g - 1 of matrix w (g: 8 for interleaved weights, else 1) times rows [m0, m0 + mc)
-// of x (quantized in ws unless F16) into out[r][0, mc).
+// of x (quantized in ws unless F16) into out[0, mc)[r].
 INLINE void some_rows(int kind, workspace *ws, const float *x, const matrix *w, size_t n, size_t g, size_t mc,
-                      size_t K, float out[8][MAX_M]) {
+                      size_t K, float out[MAX_M][8]) {
   size_t B = K / 32;
+  float column[MAX_M];  // one row of w's outputs
   if (kind == F16) {
-#define ROW(MC) f16_row(x, (const uint16_t *)w->qs + n * K, MC, K, out[0])
+#define ROW(MC) f16_row(x, (const uint16_t *)w->qs + n * K, MC, K, column)
     FOR_CONSTANT_MC(mc, ROW)
 #undef ROW
+    for (size_t i = 0; i < mc; ++i) out[i][0] = column[i];
     return;
   }
   const uint8_t *qn = (const uint8_t *)w->qs + n * (kind == Q8_0 || kind == Q8_0X8 ? K : K / 2);
@@ -511,9 +509,10 @@ INLINE void some_rows(int kind, workspace *ws, const float *x, const matrix *w, 
 #undef ROW
     return;
   }
-#define ROW(MC) q_row(ws, kind, qn, d, m, MC, K, out[0])
+#define ROW(MC) q_row(ws, kind, qn, d, m, MC, K, column)
   FOR_CONSTANT_MC(mc, ROW)
 #undef ROW
+  for (size_t i = 0; i < mc; ++i) out[i][0] = column[i];
 }
 
 // Outputs [n0, n1) of workgroup wg (`rows` per workgroup) of the product of x [M, K] with the
@@ -534,24 +533,21 @@ INLINE void matvec(int kind, int op, const float *x, const matrix *w, size_t cou
     size_t j = 0, first = 0;  // the matrix holding output n, its first output
     for (size_t n = n0; n < n1; n += g) {
       while (op == CONCAT && j + 1 < count && n >= first + w[j].n) first += w[j++].n;
-      float out[8][MAX_M];
+      float out[MAX_M][8];
       some_rows(kind, &ws, x + m0 * K, &w[j], n - first, g, mc, K, out);
       if (op == SWIGLU) {
-        float up[8][MAX_M];
+        float up[MAX_M][8];
         some_rows(kind, &ws, x + m0 * K, &w[1], n, g, mc, K, up);
-        if (g == 8) {  // each row of x's eight outputs at once: column i of out and up
-          const __m256i column = _mm256_setr_epi32(0, MAX_M, 2 * MAX_M, 3 * MAX_M, 4 * MAX_M, 5 * MAX_M, 6 * MAX_M,
-                                                   7 * MAX_M);
-          for (size_t i = 0; i < mc; ++i)
-            _mm256_storeu_ps(y + (m0 + i) * N + n, swiglu8(_mm256_i32gather_ps(&out[0][i], column, 4),
-                                                           _mm256_i32gather_ps(&up[0][i], column, 4)));
-        } else {
-          for (size_t r = 0; r < g; ++r)
-            for (size_t i = 0; i < mc; ++i) y[(m0 + i) * N + n + r] = silu(out[r][i]) * up[r][i];
+        for (size_t i = 0; i < mc; ++i) {
+          float *yi = y + (m0 + i) * N + n;
+          if (g == 8)  // the group's eight outputs at once
+            _mm256_storeu_ps(yi, swiglu8(_mm256_loadu_ps(out[i]), _mm256_loadu_ps(up[i])));
+          else
+            yi[0] = silu(out[i][0]) * up[i][0];
         }
       } else {
-        for (size_t r = 0; r < g; ++r)
-          for (size_t i = 0; i < mc; ++i) y[first * M + (m0 + i) * w[j].n + n - first + r] = out[r][i];
+        for (size_t i = 0; i < mc; ++i)
+          for (size_t r = 0; r < g; ++r) y[first * M + (m0 + i) * w[j].n + n - first + r] = out[i][r];
       }
     }
   }
