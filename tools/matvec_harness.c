@@ -10,7 +10,9 @@
 // does: the rows of w interleaved eight at a time (sharkport.kernels.interleave_rows; N a multiple
 // of 8), by sharkport_matvec_q4_1x8 and _q8_0x8. The -stored types read w as stored, a row at a
 // time (what modules do for matrices of other row counts).
+#define _GNU_SOURCE  // sched_getaffinity
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -91,8 +93,11 @@ int main(int argc, char **argv) {
     fprintf(stderr, "%s: bad arguments\n", argv[0]);
     return 2;
   }
-  // as sharkport.kernels.ops: min(256, 32 ceil(N / 256)) outputs a workgroup
-  size_t rows = 32 * ((N + 255) / 256), B = K / 32;
+  // as sharkport.kernels.ops exports for this machine: min(256, 32 ceil(N / (32 W))) outputs a
+  // workgroup, W two workgroups for each CPU this process may run on (kernels.workgroups)
+  cpu_set_t cpus;
+  size_t W = 2 * (sched_getaffinity(0, sizeof cpus, &cpus) ? 1 : (size_t)CPU_COUNT(&cpus));
+  size_t rows = 32 * ((N + 32 * W - 1) / (32 * W)), B = K / 32;
   rows = rows < 256 ? rows : 256;
   int q4 = type == Q4_1 || type == Q4_1_STORED, q8 = type == Q8_0 || type == Q8_0_STORED;
   size_t qbytes = q4 ? N * K / 2 : q8 ? N * K : 2 * N * K;
