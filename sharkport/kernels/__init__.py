@@ -18,7 +18,10 @@ prefill's attention) through these kernels: the C file is compiled by the system
 object (`matvec-<hash of the C file and flags>.o`, so an MLIR compiles with the kernels it was
 exported with), and iree-compile links it into the .vmfb (`compile_mlir` adds the search path), so
 iree-run-module, the runner and shortfin need nothing more. Products over a dynamic number of
-rows (prefill) keep the traced form: IREE's data-tiled matmuls are fast there.
+rows (prefill) keep the traced form: IREE's data-tiled matmuls are fast there. The kernels' work
+is split into workgroups for the CPUs of the machine that exports (`workgroups`,
+`kv_heads_per_workgroup`), as IREE's `--iree-llvmcpu-target-cpu=host` compiles for its CPU: a
+module runs anywhere, best there.
 
 Under tracing each kernel is a turbine custom op whose body is a `flow.dispatch` of a
 `stream.executable` that calls the C function once per workgroup (`kernels.ops`, loaded on use:

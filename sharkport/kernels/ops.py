@@ -200,7 +200,7 @@ class AttentionShape:
     cache_dtype: str = "f32"  # of the cache's elements: "f32" or "f16"
     # the attention's workgroups take a sequence and this many of its kv heads (a divisor of
     # kv_heads): all of them read each page whole, in address order; fewer share a sequence among
-    # more workgroups (kernels.decode_attention chooses). The write's take one kv head each.
+    # more workgroups (kernels.kv_heads_per_workgroup chooses). The write's take one kv head each.
     kv_heads_per_workgroup: int = 1
 
     @property
