@@ -119,9 +119,8 @@ class _Fused(torch.nn.Module):
 @pytest.mark.parametrize("kind", KINDS)
 def test_fused_products_equal_gguf_dequantization(kind, form, sizes, two_cpus, tmp_path):
     """One dispatch for q, k, v of 80, 42 and 26 outputs (on 2 CPUs, workgroups of 64 span two
-    matrices), or
-    for silu(x gate^T) * (x up^T). Quantized matrices whose rows are all a multiple of 8 go
-    interleaved (80, 48, 24; 88), the others one row at a time."""
+    matrices), or for silu(x gate^T) * (x up^T). Quantized matrices whose rows are all a multiple
+    of 8 go interleaved (80, 48, 24; 88), the others one row at a time."""
     rng = np.random.default_rng(7)
     k = 96
     raws = [quantize_array(rng.standard_normal((n, k)).astype(np.float32), kind) for n in sizes]

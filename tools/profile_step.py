@@ -36,7 +36,7 @@ from pathlib import Path
 from bench import Subject
 
 from sharkport.compile import compile_mlir
-from sharkport.kernels import cache_dir, object_name, objects_named_by
+from sharkport.kernels import object_name, object_path, objects_named_by
 
 
 def functions(elf: Path) -> list[tuple[int, int, str]]:
@@ -51,29 +51,33 @@ def functions(elf: Path) -> list[tuple[int, int, str]]:
         name = re.search(r"DW_AT_linkage_name\s*:.*?: (\S+)\n", entry)
         if low and size and name and int(low.group(1), 16):
             found[int(low.group(1), 16)] = (int(size.group(1), 16), name.group(1))
-    symbols = subprocess.run(["nm", "-S", "--defined-only", str(elf)], capture_output=True, text=True,
-                             check=True).stdout
-    for line in symbols.splitlines():
-        parts = line.split()
-        if len(parts) == 4 and parts[2].lower() == "t":
-            found[int(parts[0], 16)] = (int(parts[1], 16), parts[3])
+    for address, size, _, name in code_symbols(elf):
+        found[address] = (size, name)
     return sorted((a, s, n) for a, (s, n) in found.items())
 
 
-def static_helpers(elf: Path, obj: Path, table: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
-    """(address, size, name) in `elf` of the kernels object's local functions (the loops' static
-    helpers, e.g. q4_x8_4), whose symbols the link drops: the object's one .text section is linked
-    whole, so a global kernel's address in both gives the offset."""
-    local, offset = [], None
-    at_elf = {n: a for a, _, n in table}
-    for line in subprocess.run(["nm", "-S", "--defined-only", str(obj)], capture_output=True, text=True,
+def code_symbols(path: Path) -> list[tuple[int, int, bool, str]]:
+    """(address, size, global, name) of the functions in an ELF file's symbol table (`nm`)."""
+    out = []
+    for line in subprocess.run(["nm", "-S", "--defined-only", str(path)], capture_output=True, text=True,
                                check=True).stdout.splitlines():
         parts = line.split()
-        if len(parts) == 4 and parts[2] == "T" and parts[3] in at_elf:
-            offset = at_elf[parts[3]] - int(parts[0], 16)
-        elif len(parts) == 4 and parts[2] == "t":
-            local.append((int(parts[0], 16), int(parts[1], 16), parts[3].split(".")[0]))
-    return [] if offset is None else [(a + offset, s, n) for a, s, n in local]
+        if len(parts) == 4 and parts[2] in "Tt":
+            out.append((int(parts[0], 16), int(parts[1], 16), parts[2] == "T", parts[3]))
+    return out
+
+
+def static_helpers(obj: Path, table: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
+    """(address, size, name) in the linked executable whose functions are `table` of the kernels
+    object's local functions (the loops' static helpers, e.g. q4_x8_4), whose symbols the link
+    drops: the object's one .text section is linked whole, so a global kernel's address in both
+    gives the offset."""
+    at_elf = {n: a for a, _, n in table}
+    symbols = code_symbols(obj)
+    offset = next((at_elf[n] - a for a, _, is_global, n in symbols if is_global and n in at_elf), None)
+    if offset is None:
+        return []
+    return [(a + offset, s, n.split(".")[0]) for a, s, is_global, n in symbols if not is_global]
 
 
 def anonymous_mappings() -> list[tuple[int, int, str]]:
@@ -171,9 +175,8 @@ def main() -> None:
                 samples.append((int(parts[0], 16), parts[1].strip("() ")))
         base, lo, hi = image_of([ip for ip, _ in samples], mappings)
         table = functions(elf)
-        obj = cache_dir() / object_name()
-        if linked == {object_name()} and obj.exists():
-            table = sorted(table + static_helpers(elf, obj, table))
+        if linked == {object_name()}:  # compiled just now, so its object is in the cache
+            table = sorted(table + static_helpers(object_path(), table))
 
     counts = collections.Counter()
     for ip, dso in samples:

@@ -5,9 +5,9 @@
 // the module (an IREE "custom dispatch"), so it must stay freestanding: no libc, no globals, no
 // thread-local state.
 //
-// Each workgroup computes `rows` outputs n (an argument: sharkport.kernels.ops aims at about 8
-// workgroups per product) of every row m, reading each weight once for all rows of x, so a
-// decode step of batch M reads the weights once.
+// Each workgroup computes `rows` outputs n (an argument: sharkport.kernels.ops aims at two
+// workgroups per CPU, kernels.workgroups) of every row m, reading each weight once for all rows of
+// x, so a decode step of batch M reads the weights once.
 //
 // Quantized weights multiply 8-bit integers, as ggml does on CPUs: each workgroup first
 // quantizes its rows of x in blocks of 32 exactly as gguf's Q8_0 reference quantizer does
@@ -482,10 +482,10 @@ INLINE __m256 swiglu8(__m256 g, __m256 u) {
   return _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), u);
 }
 
-// Rows n .. n + g - 1 of matrix w (g: 8 for interleaved weights, else 1) times rows [m0, m0 + mc)
-// of x (quantized in ws unless F16) into out[0, mc)[r].
-INLINE void some_rows(int kind, workspace *ws, const float *x, const matrix *w, size_t n, size_t g, size_t mc,
-                      size_t K, float out[MAX_M][8]) {
+// Rows n .. n + 7 of matrix w with interleaved rows (Q4_0X8, Q4_1X8, Q8_0X8), else row n, times
+// rows [m0, m0 + mc) of x (quantized in ws unless F16) into out[0, mc)[r].
+INLINE void some_rows(int kind, workspace *ws, const float *x, const matrix *w, size_t n, size_t mc, size_t K,
+                      float out[MAX_M][8]) {
   size_t B = K / 32;
   float column[MAX_M];  // one row of w's outputs
   if (kind == F16) {
@@ -503,7 +503,7 @@ INLINE void some_rows(int kind, workspace *ws, const float *x, const matrix *w, 
 #undef ROW
     return;
   }
-  if (g == 8) {  // Q4_0X8, Q4_1X8
+  if (kind == Q4_0X8 || kind == Q4_1X8) {
 #define ROW(MC) AT_ROWS(q4_x8, MC)(ws, kind, qn, d, m, K, out)
     FOR_CONSTANT_MC(mc, ROW)
 #undef ROW
@@ -534,10 +534,10 @@ INLINE void matvec(int kind, int op, const float *x, const matrix *w, size_t cou
     for (size_t n = n0; n < n1; n += g) {
       while (op == CONCAT && j + 1 < count && n >= first + w[j].n) first += w[j++].n;
       float out[MAX_M][8];
-      some_rows(kind, &ws, x + m0 * K, &w[j], n - first, g, mc, K, out);
+      some_rows(kind, &ws, x + m0 * K, &w[j], n - first, mc, K, out);
       if (op == SWIGLU) {
         float up[MAX_M][8];
-        some_rows(kind, &ws, x + m0 * K, &w[1], n, g, mc, K, up);
+        some_rows(kind, &ws, x + m0 * K, &w[1], n, mc, K, up);
         for (size_t i = 0; i < mc; ++i) {
           float *yi = y + (m0 + i) * N + n;
           if (g == 8)  // the group's eight outputs at once
