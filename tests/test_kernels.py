@@ -52,6 +52,15 @@ def two_cpus(monkeypatch):
     monkeypatch.setattr(kernels, "_cpus", lambda: 2)
 
 
+@pytest.fixture(params=[pytest.param(isa, marks=pytest.mark.skipif(
+    isa == "avx512" and not kernels.AVX512_FEATURES <= kernels._cpu_features(),
+    reason="this machine has no AVX-512 with VNNI")) for isa in kernels.ISA_FLAGS])
+def isa(request, monkeypatch):
+    """Kernels built for each instruction set (kernels.isa), those this machine can run."""
+    monkeypatch.setenv(kernels.ISA_ENV, request.param)
+    return request.param
+
+
 def _compile_and_run(module, x, tmp_path):
     import iree.runtime as rt
     from iree.turbine import aot
@@ -73,7 +82,7 @@ def _compile_and_run(module, x, tmp_path):
 
 @pytest.mark.parametrize("rows, n, k", [(1, 80, 96), (3, 83, 96), (4, 88, 160), (2, 2104, 128), (8, 2100, 64)])
 @pytest.mark.parametrize("kind", KINDS)
-def test_kernel_product_equals_gguf_dequantization(kind, rows, n, k, two_cpus, tmp_path):
+def test_kernel_product_equals_gguf_dequantization(kind, rows, n, k, isa, two_cpus, tmp_path):
     """On 2 CPUs, 80, 83 or 88 outputs: 3 workgroups of 32; 2104 and 2100: 9 workgroups of 256;
     the last partial. Quantized weights of 80, 88 and 2104 rows go interleaved eight rows at a time,
     those of 83 and 2100 one row at a time. Rows of 3 or 5 blocks (pairs and an odd one), 4 or 2;
@@ -92,6 +101,17 @@ def test_kernel_product_equals_gguf_dequantization(kind, rows, n, k, two_cpus, t
     x_seen = x.numpy() if kind == "F16" else quants.dequantize(quants.quantize(x.numpy(), GGMLQuantizationType.Q8_0),
                                                                  GGMLQuantizationType.Q8_0)
     want = x_seen.astype(np.float64) @ dense.T
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("rows", [2, 5])
+def test_f16_rows_ending_in_half_a_vector(rows, isa, two_cpus, tmp_path):
+    """float16 rows of 72 values: with AVX-512 (16 a vector) their last 8 take a step of their own."""
+    rng = np.random.default_rng(rows)
+    w = torch.from_numpy(rng.standard_normal((40, 72)).astype(np.float16))
+    x = torch.from_numpy(rng.standard_normal((rows, 72)).astype(np.float32))
+    got = _compile_and_run(_Linear(w), x, tmp_path)
+    want = x.numpy().astype(np.float64) @ w.numpy().astype(np.float64).T
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
@@ -117,7 +137,7 @@ class _Fused(torch.nn.Module):
 @pytest.mark.parametrize("form, sizes", [("qkv", [80, 42, 26]), ("qkv", [80, 48, 24]), ("swiglu", [83, 83]),
                                          ("swiglu", [88, 88])])
 @pytest.mark.parametrize("kind", KINDS)
-def test_fused_products_equal_gguf_dequantization(kind, form, sizes, two_cpus, tmp_path):
+def test_fused_products_equal_gguf_dequantization(kind, form, sizes, isa, two_cpus, tmp_path):
     """One dispatch for q, k, v of 80, 42 and 26 outputs (on 2 CPUs, workgroups of 64 span two
     matrices), or for silu(x gate^T) * (x up^T). Quantized matrices whose rows are all a multiple
     of 8 go interleaved (80, 48, 24; 88), the others one row at a time."""
@@ -512,3 +532,30 @@ def test_missing_c_compiler_is_one_line(tiny, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert "Traceback" not in proc.stderr and "C compiler" in lines[-1] and "no-such-cc" in lines[-1], proc.stderr
     assert not (tmp_path / "m.mlir").exists()
+
+
+def test_unknown_kernel_isa_is_one_line(tiny, tmp_path):
+    """SHARKPORT_KERNEL_ISA names the instruction set the kernels are built for; anything else is
+    one line naming the variable and the choices, before anything is written."""
+    env = dict(os.environ, SHARKPORT_KERNEL_ISA="sse2")
+    proc = subprocess.run(
+        [sys.executable, "-m", "sharkport.export", "--gguf-file", str(tiny["gqa-untied"].gguf_path),
+         "--output-mlir", str(tmp_path / "m.mlir"), "--output-config", str(tmp_path / "m.json"),
+         "--bs-prefill", "1", "--bs-decode", "1", "--max-seq-len", "64", "--matvec-kernels"],
+        capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert "Traceback" not in proc.stderr and "SHARKPORT_KERNEL_ISA" in lines[-1], proc.stderr
+    assert "'sse2'" in lines[-1] and "avx2" in lines[-1] and "avx512" in lines[-1], proc.stderr
+    assert not (tmp_path / "m.mlir").exists()
+
+
+def test_each_kernel_isa_builds_its_own_object(monkeypatch):
+    """The object's name hashes its flags: an AVX2 build and an AVX-512 build are two objects, so
+    an MLIR links the one it was exported with."""
+    names = {}
+    for isa in kernels.ISA_FLAGS:
+        monkeypatch.setenv(kernels.ISA_ENV, isa.upper())
+        assert kernels.isa() == isa and kernels.cflags() == kernels.CFLAGS + kernels.ISA_FLAGS[isa]
+        names[isa] = kernels.object_name()
+    assert len(set(names.values())) == len(names), names

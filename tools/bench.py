@@ -328,7 +328,7 @@ def main() -> None:
     rows = list(dict.fromkeys(k for c in cols.values() for k in c))
     header = (f"SmolLM2-135M-Instruct, {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
               f"read bandwidth {bandwidth / 1e9:.1f} GB/s (median of one probe a round, {min(bandwidths) / 1e9:.1f} to "
-              f"{max(bandwidths) / 1e9:.1f}; {probe.how}); matvec kernels {'on' if export.matvec_kernels else 'off'}; "
+              f"{max(bandwidths) / 1e9:.1f}; {probe.how}); matvec kernels {'on (' + kernels.isa() + ')' if export.matvec_kernels else 'off'}; "
               f"KV cache {args.kv_cache_dtype}; "
               f"compile preset {args.target}: "
               f"{' '.join(compile_flags(args.target))}")

@@ -4,7 +4,7 @@ memory: what bounds decode's products on this machine (issue 6).
 
     python tools/bench_kernels.py [--types q4_1,q8_0,f16] [--markdown out.md]
 
-Builds tools/matvec_harness.c with sharkport/kernels/matvec.c (the kernels' own CFLAGS) and times
+Builds tools/matvec_harness.c with sharkport/kernels/matvec.c (the kernels' own flags, kernels.cflags()) and times
 SmolLM2's feed-forward products (gate/up 1536x576, down 576x1536) at 1 and 4 rows of x, on 1 and
 2 threads (each product's workgroups shared among the threads as IREE's workers share them, with
 a barrier after each product): once with one copy of the weights (it stays in the caches), once
@@ -28,7 +28,7 @@ from pathlib import Path
 TOOLS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TOOLS.parent))
 
-from sharkport.kernels import CFLAGS, SOURCE  # noqa: E402
+from sharkport.kernels import SOURCE, cflags  # noqa: E402
 
 SHAPES = {"gate/up 1536x576": (1536, 576), "down 576x1536": (576, 1536)}
 # q4_1, q8_0: rows interleaved as exported modules read them; -stored: as stored (see the harness)
@@ -41,7 +41,7 @@ def build(work: Path) -> tuple[Path, Path]:
     if cc is None:
         raise SystemExit("bench_kernels: no C compiler ($CC or cc) on PATH; install gcc or clang")
     obj, exe, ops = work / "matvec.o", work / "matvec_harness", work / "vector_ops"
-    subprocess.run([cc, *CFLAGS, "-c", str(SOURCE), "-o", str(obj)], check=True)
+    subprocess.run([cc, *cflags(), "-c", str(SOURCE), "-o", str(obj)], check=True)
     subprocess.run([cc, "-O2", "-pthread", str(TOOLS / "matvec_harness.c"), str(obj), "-o", str(exe)], check=True)
     subprocess.run([cc, "-O2", "-mavx2", "-mfma", "-pthread", str(TOOLS / "vector_ops.c"), "-o", str(ops)], check=True)
     return exe, ops

@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="prefill returns only each sequence's last logits [N, 1, V], skipping the "
                              "output projection of the other positions")
     parser.add_argument("--matvec-kernels", action="store_true",
-                        help="decode runs hand-written x86-64 kernels (AVX2), built by the system C compiler "
+                        help="decode runs hand-written x86-64 kernels (AVX2; AVX-512 VNNI where this machine has it, "
+                             "unless SHARKPORT_KERNEL_ISA=avx2), built by the system C compiler "
                              "and linked by iree-compile: products with Q8_0/Q4_0/Q4_1/F16 weights read as "
                              "stored (Q8_0/Q4 through a copy with rows interleaved eight at a time, which the "
                              "module makes as it loads; with quantized weights x is quantized to 8 bits per "

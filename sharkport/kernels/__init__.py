@@ -14,14 +14,15 @@ weights with the Q8_0-dequantized x (`quantized_x`), about 1e-3 relative from th
 product. IREE 3.9 generates no code that multiplies by quantized weights at memory speed
 (docs/performance.md), so with `ExportConfig.matvec_kernels` the exporter routes decode (and
 prefill's attention) through these kernels: the C file is compiled by the system C compiler
-(`$CC`, else `cc`) for x86-64 with AVX2, FMA and F16C into `cache_dir()`, the MLIR names the
-object (`matvec-<hash of the C file and flags>.o`, so an MLIR compiles with the kernels it was
-exported with), and iree-compile links it into the .vmfb (`compile_mlir` adds the search path), so
-iree-run-module, the runner and shortfin need nothing more. Products over a dynamic number of
-rows (prefill) keep the traced form: IREE's data-tiled matmuls are fast there. The kernels' work
-is split into workgroups for the CPUs of the machine that exports (`workgroups`,
-`kv_heads_per_workgroup`), as IREE's `--iree-llvmcpu-target-cpu=host` compiles for its CPU: a
-module runs anywhere, best there.
+(`$CC`, else `cc`) for x86-64 with AVX2, FMA and F16C, plus AVX-512 with VNNI where the
+exporting machine has it (`isa`; $SHARKPORT_KERNEL_ISA=avx2 builds for any AVX2 CPU), into
+`cache_dir()`, the MLIR names the object (`matvec-<hash of the C file and flags>.o`, so an MLIR
+compiles with the kernels it was exported with), and iree-compile links it into the .vmfb
+(`compile_mlir` adds the search path), so iree-run-module, the runner and shortfin need nothing
+more. Products over a dynamic number of rows (prefill) keep the traced form: IREE's data-tiled
+matmuls are fast there. As IREE's `--iree-llvmcpu-target-cpu=host` compiles for the exporting
+machine's CPU, so are the kernels built for its instruction set and their work split into
+workgroups for its CPUs (`workgroups`, `kv_heads_per_workgroup`).
 
 Under tracing each kernel is a turbine custom op whose body is a `flow.dispatch` of a
 `stream.executable` that calls the C function once per workgroup (`kernels.ops`, loaded on use:
@@ -52,6 +53,12 @@ PREFILL_MAX_D, PREFILL_MAX_GD = 256, 1024  # matvec.c's PA_MAX_D, PA_MAX_GD
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffreestanding", "-fPIC", "-fno-stack-protector",
           "-fno-asynchronous-unwind-tables", "-fno-plt", "-fvisibility=hidden", "-std=c11",
           f"-DMAX_BLOCKS={MAX_K // 32}", f"-DXQ_BYTES={MAX_K}", f"-DMAX_GD={MAX_GD}", f"-DMAX_STRIDE={MAX_STRIDE}"]
+# Instruction sets the object is built for (isa()): "avx2" runs on any x86-64 CPU of the last
+# decade; "avx512" adds AVX-512 with VNNI, for which matvec.c's interleaved products run 64-byte
+# vectors and `vpdpbusd` (q4_x8_zmm, q8_x8_zmm). /proc/cpuinfo's names of the features it needs.
+ISA_FLAGS = {"avx2": [], "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]}
+AVX512_FEATURES = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
+ISA_ENV = "SHARKPORT_KERNEL_ISA"
 # Outputs per workgroup for a product with N outputs: min(256, 32 * ceil(N / (32 * W))), a
 # multiple of 32 aiming at W = workgroups(), two for each CPU: enough for the workers to share
 # them, while fewer, larger ones quantize x fewer times (each quantizes all of it). SmolLM2 on 2
@@ -274,9 +281,39 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sharkport" / "kernels"
 
 
+def isa() -> str:
+    """The instruction set the kernels are built for (a key of ISA_FLAGS): $SHARKPORT_KERNEL_ISA if
+    set, else "avx512" where this machine has AVX-512 with VNNI, else "avx2". As IREE's
+    `--iree-llvmcpu-target-cpu=host`, a module exported on an AVX-512 machine needs one to run;
+    SHARKPORT_KERNEL_ISA=avx2 exports kernels that run on any x86-64 CPU with AVX2."""
+    chosen = os.environ.get(ISA_ENV, "").strip().lower()
+    if chosen:
+        if chosen not in ISA_FLAGS:
+            raise SharkportError(f"{ISA_ENV}={chosen!r}: choose one of {', '.join(ISA_FLAGS)} (or unset it to "
+                                 "build for this machine)")
+        return chosen
+    return "avx512" if AVX512_FEATURES <= _cpu_features() else "avx2"
+
+
+@cache
+def _cpu_features() -> frozenset[str]:
+    """This machine's CPU feature flags (/proc/cpuinfo's; none where there is no such file)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def cflags() -> list[str]:
+    """The compiler flags the object is built with: CFLAGS and those of isa()."""
+    return CFLAGS + ISA_FLAGS[isa()]
+
+
 def object_name() -> str:
-    """The object's file name, unique to matvec.c's text and the compiler flags."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([_compiler()] + CFLAGS).encode()).hexdigest()[:16]
+    """The object's file name, unique to matvec.c's text, the compiler and its flags."""
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([_compiler()] + cflags()).encode()).hexdigest()[:16]
     return f"matvec-{key}.o"
 
 
@@ -289,7 +326,6 @@ def available() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64") and shutil.which(_compiler()) is not None
 
 
-@cache
 def object_path() -> Path:
     """matvec.c compiled for x86-64 into cache_dir() (built once per source and flags).
 
@@ -303,11 +339,15 @@ def object_path() -> Path:
     if shutil.which(cc) is None:
         raise SharkportError(f"--matvec-kernels needs a C compiler to build {SOURCE.name}: {cc!r} is not on PATH "
                              "(install gcc or clang, set CC, or export without --matvec-kernels)")
-    obj = cache_dir() / object_name()
+    return _built(cc, tuple(cflags()), cache_dir() / object_name())
+
+
+@cache
+def _built(cc: str, flags: tuple[str, ...], obj: Path) -> Path:
     if not obj.exists():
         obj.parent.mkdir(parents=True, exist_ok=True)
         tmp = obj.with_suffix(f".{os.getpid()}.tmp")
-        run = subprocess.run([cc, *CFLAGS, "-c", str(SOURCE), "-o", str(tmp)], capture_output=True, text=True)
+        run = subprocess.run([cc, *flags, "-c", str(SOURCE), "-o", str(tmp)], capture_output=True, text=True)
         if run.returncode:
             tmp.unlink(missing_ok=True)
             first = (run.stderr.strip().splitlines() or ["no output"])[0]
