@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import subprocess
 import sys
 
@@ -521,33 +522,38 @@ def test_mlir_naming_a_kernel_object_no_longer_built_says_so(tmp_path):
     assert not vmfb.exists()
 
 
-def test_missing_c_compiler_is_one_line(tiny, tmp_path):
-    env = dict(os.environ, CC=str(tmp_path / "no-such-cc"))
+def _failed_kernel_export(tiny, tmp_path, **env) -> str:
+    """The last stderr line of an export with --matvec-kernels that must fail (exit 2, no
+    traceback, no MLIR written) under these environment variables."""
     proc = subprocess.run(
         [sys.executable, "-m", "sharkport.export", "--gguf-file", str(tiny["gqa-untied"].gguf_path),
          "--output-mlir", str(tmp_path / "m.mlir"), "--output-config", str(tmp_path / "m.json"),
          "--bs-prefill", "1", "--bs-decode", "1", "--max-seq-len", "64", "--matvec-kernels"],
-        capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert "Traceback" not in proc.stderr and "C compiler" in lines[-1] and "no-such-cc" in lines[-1], proc.stderr
+        capture_output=True, text=True, env=dict(os.environ, **env), timeout=600)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert not (tmp_path / "m.mlir").exists()
+    return proc.stderr.strip().splitlines()[-1]
+
+
+def test_missing_c_compiler_is_one_line(tiny, tmp_path):
+    line = _failed_kernel_export(tiny, tmp_path, CC=str(tmp_path / "no-such-cc"))
+    assert "C compiler" in line and "no-such-cc" in line, line
 
 
 def test_unknown_kernel_isa_is_one_line(tiny, tmp_path):
     """SHARKPORT_KERNEL_ISA names the instruction set the kernels are built for; anything else is
     one line naming the variable and the choices, before anything is written."""
-    env = dict(os.environ, SHARKPORT_KERNEL_ISA="sse2")
-    proc = subprocess.run(
-        [sys.executable, "-m", "sharkport.export", "--gguf-file", str(tiny["gqa-untied"].gguf_path),
-         "--output-mlir", str(tmp_path / "m.mlir"), "--output-config", str(tmp_path / "m.json"),
-         "--bs-prefill", "1", "--bs-decode", "1", "--max-seq-len", "64", "--matvec-kernels"],
-        capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert "Traceback" not in proc.stderr and "SHARKPORT_KERNEL_ISA" in lines[-1], proc.stderr
-    assert "'sse2'" in lines[-1] and "avx2" in lines[-1] and "avx512" in lines[-1], proc.stderr
-    assert not (tmp_path / "m.mlir").exists()
+    line = _failed_kernel_export(tiny, tmp_path, SHARKPORT_KERNEL_ISA="sse2")
+    assert "SHARKPORT_KERNEL_ISA" in line and "'sse2'" in line and "avx2" in line and "avx512" in line, line
+
+
+def test_failed_kernel_build_is_one_line(tiny, tmp_path):
+    """A compiler that fails (here `false`) is one line naming it and matvec.c; for an AVX-512
+    build it says how to build without AVX-512 (a compiler too old for it fails so)."""
+    false = shutil.which("false")
+    line = _failed_kernel_export(tiny, tmp_path, CC=false, SHARKPORT_KERNEL_ISA="avx512")
+    assert f"{false} failed to compile" in line and "matvec.c" in line, line
+    assert "SHARKPORT_KERNEL_ISA=avx2" in line, line
 
 
 def test_each_kernel_isa_builds_its_own_object(monkeypatch):

@@ -344,6 +344,7 @@ def object_path() -> Path:
 
 @cache
 def _built(cc: str, flags: tuple[str, ...], obj: Path) -> Path:
+    """obj, matvec.c compiled by cc with flags unless the cache already holds it."""
     if not obj.exists():
         obj.parent.mkdir(parents=True, exist_ok=True)
         tmp = obj.with_suffix(f".{os.getpid()}.tmp")
@@ -351,7 +352,8 @@ def _built(cc: str, flags: tuple[str, ...], obj: Path) -> Path:
         if run.returncode:
             tmp.unlink(missing_ok=True)
             first = (run.stderr.strip().splitlines() or ["no output"])[0]
-            raise SharkportError(f"--matvec-kernels: {cc} failed to compile {SOURCE} ({first})")
+            hint = f"; {ISA_ENV}=avx2 builds without AVX-512" if ISA_FLAGS["avx512"][0] in flags else ""
+            raise SharkportError(f"--matvec-kernels: {cc} failed to compile {SOURCE} ({first}{hint})")
         os.replace(tmp, obj)
     return obj
 
