@@ -326,9 +326,10 @@ def main() -> None:
         cols[t]["compiled / transformers decode bs1"] = f"{d1 / hf_rate:.2f}x"
 
     rows = list(dict.fromkeys(k for c in cols.values() for k in c))
+    used_kernels = f"on ({kernels.isa()})" if export.matvec_kernels else "off"
     header = (f"SmolLM2-135M-Instruct, {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
               f"read bandwidth {bandwidth / 1e9:.1f} GB/s (median of one probe a round, {min(bandwidths) / 1e9:.1f} to "
-              f"{max(bandwidths) / 1e9:.1f}; {probe.how}); matvec kernels {'on (' + kernels.isa() + ')' if export.matvec_kernels else 'off'}; "
+              f"{max(bandwidths) / 1e9:.1f}; {probe.how}); matvec kernels {used_kernels}; "
               f"KV cache {args.kv_cache_dtype}; "
               f"compile preset {args.target}: "
               f"{' '.join(compile_flags(args.target))}")

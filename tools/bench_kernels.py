@@ -4,15 +4,16 @@ memory: what bounds decode's products on this machine (issue 6).
 
     python tools/bench_kernels.py [--types q4_1,q8_0,f16] [--markdown out.md]
 
-Builds tools/matvec_harness.c with sharkport/kernels/matvec.c (the kernels' own flags, kernels.cflags()) and times
-SmolLM2's feed-forward products (gate/up 1536x576, down 576x1536) at 1 and 4 rows of x, on 1 and
-2 threads (each product's workgroups shared among the threads as IREE's workers share them, with
-a barrier after each product): once with one copy of the weights (it stays in the caches), once
-with enough copies to pass the L3 (read from memory). A product that runs as fast from memory as
-from the caches is bound by its arithmetic; one much faster in the caches is bound by memory.
-The machine's read bandwidth (tools/read_bandwidth.c) is printed alongside, and how many of the
-kernels' vector operations a core completes per ns (tools/vector_ops.c: one thread, then one per
-CPU at once), the arithmetic ceiling a product bound by its arithmetic is measured against.
+Builds tools/matvec_harness.c with sharkport/kernels/matvec.c (the kernels' own flags,
+kernels.cflags(): AVX-512 where this machine has it) and times SmolLM2's feed-forward products
+(gate/up 1536x576, down 576x1536) at 1 and 4 rows of x, on 1 and 2 threads (each product's
+workgroups shared among the threads as IREE's workers share them, with a barrier after each
+product): once with one copy of the weights (it stays in the caches), once with enough copies to
+pass the L3 (read from memory). A product that runs as fast from memory as from the caches is bound
+by its arithmetic; one much faster in the caches is bound by memory. The machine's read bandwidth
+(tools/read_bandwidth.c) is printed alongside, and how many of the kernels' vector operations a
+core completes per ns (tools/vector_ops.c: one thread, then one per CPU at once), the arithmetic
+ceiling a product bound by its arithmetic is measured against.
 """
 
 from __future__ import annotations

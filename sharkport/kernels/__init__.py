@@ -313,7 +313,12 @@ def cflags() -> list[str]:
 
 def object_name() -> str:
     """The object's file name, unique to matvec.c's text, the compiler and its flags."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([_compiler()] + cflags()).encode()).hexdigest()[:16]
+    return _object_name(_compiler(), tuple(cflags()))
+
+
+@cache
+def _object_name(cc: str, flags: tuple[str, ...]) -> str:
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((cc,) + flags).encode()).hexdigest()[:16]
     return f"matvec-{key}.o"
 
 
@@ -339,7 +344,8 @@ def object_path() -> Path:
     if shutil.which(cc) is None:
         raise SharkportError(f"--matvec-kernels needs a C compiler to build {SOURCE.name}: {cc!r} is not on PATH "
                              "(install gcc or clang, set CC, or export without --matvec-kernels)")
-    return _built(cc, tuple(cflags()), cache_dir() / object_name())
+    flags = tuple(cflags())
+    return _built(cc, flags, cache_dir() / _object_name(cc, flags))
 
 
 @cache

@@ -46,6 +46,9 @@ INLINE float hsum(__m256 v) {
 }
 
 INLINE float half(uint16_t h) { return _cvtsh_ss(h); }
+INLINE __m256 halves8(const uint16_t *p) {  // eight float16 values at p
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
 
 // ---- x quantized in blocks of 32 (gguf's Q8_0 reference: quantize_row_q8_0_ref) ----
 
@@ -155,9 +158,8 @@ INLINE void row_scales(workspace *ws, int kind, const uint16_t *d, const uint16_
   for (size_t i = 0; i < MC; ++i) oacc[i] = _mm256_setzero_ps();
   size_t b = 0;
   for (; b + 8 <= B; b += 8) {
-    __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b)));
-    __m256 ov = kind == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + b)))
-                             : _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f));
+    __m256 dv = halves8(d + b);
+    __m256 ov = kind == Q4_1 ? halves8(m + b) : _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f));
     for (size_t i = 0; i < MC; ++i) {
       _mm256_storeu_ps(ws->cs + i * B + b, _mm256_mul_ps(dv, _mm256_loadu_ps(ws->xd + i * B + b)));
       if (kind != Q8_0) oacc[i] = _mm256_fmadd_ps(ov, _mm256_loadu_ps(ws->xs + i * B + b), oacc[i]);
@@ -322,9 +324,8 @@ INLINE void q4_x8(const workspace *ws, int kind, const uint8_t *qs, const uint16
         __asm__("" : "+x"(s[i]));  // kept in a register, the adds in this order (see above)
       }
     }
-    __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + 8 * b)));
-    __m256 mv = kind == Q4_1X8 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + 8 * b)))
-                               : _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f));
+    __m256 dv = halves8(d + 8 * b);
+    __m256 mv = kind == Q4_1X8 ? halves8(m + 8 * b) : _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f));
     for (size_t i = 0; i < MC; ++i) {
       __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[i], ones));
       acc[i] = _mm256_fmadd_ps(sums, _mm256_mul_ps(dv, _mm256_broadcast_ss(ws->xd + i * B + b)), acc[i]);
@@ -362,9 +363,8 @@ INLINE __m512i broadcast8(const int8_t *p) {  // 8 bytes at p in each 64-bit lan
   return _mm512_set1_epi64(v);
 }
 
-// The eight rows' block scales (float16, 8 at d) in pair lanes: lanes 2r and 2r + 1 hold row r's.
-INLINE __m512 pair_scales(const uint16_t *d) {
-  __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d));
+// The eight rows' block scales v (lane r: row r's) in pair lanes: lanes 2r and 2r + 1 hold row r's.
+INLINE __m512 pair_scales(__m256 v) {
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
                                _mm512_castps256_ps512(v));
 }
@@ -392,10 +392,9 @@ INLINE void q4_x8_zmm(const workspace *ws, int kind, const uint8_t *qs, const ui
     __m512i v0 = pair_chunks(_mm512_loadu_si512(qs)), v1 = pair_chunks(_mm512_loadu_si512(qs + 64));
     __m512i lo0 = _mm512_and_si512(v0, low4), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low4);
     __m512i lo1 = _mm512_and_si512(v1, low4), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low4);
-    __m512 dv = pair_scales(d + 8 * b);
-    __m256 mv = kind == Q4_1X8 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + 8 * b)))
-                               : _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + 8 * b))),
-                                               _mm256_set1_ps(-8.0f));
+    __m256 d8 = halves8(d + 8 * b);
+    __m512 dv = pair_scales(d8);
+    __m256 mv = kind == Q4_1X8 ? halves8(m + 8 * b) : _mm256_mul_ps(d8, _mm256_set1_ps(-8.0f));
     for (size_t i = 0; i < MC; ++i) {
       const int8_t *xq = ws->q + i * K + 32 * b;  // values 0..7 meet lo0, 8..15 lo1, 16..23 hi0, 24..31 hi1
       __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo0, broadcast8(xq));
@@ -422,8 +421,9 @@ INLINE void q8_x8_zmm(const workspace *ws, const int8_t *qs, const uint16_t *d, 
     for (size_t line = 0; line < 256; line += 64) PREFETCH_LINE(qs + line);
     __m512i u[4];
     for (size_t j = 0; j < 4; ++j) u[j] = _mm512_xor_si512(pair_chunks(_mm512_loadu_si512(qs + 64 * j)), bias);
-    __m512 dv = pair_scales(d + 8 * b);
-    __m256 ov = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + 8 * b))), _mm256_set1_ps(-128.0f));
+    __m256 d8 = halves8(d + 8 * b);
+    __m512 dv = pair_scales(d8);
+    __m256 ov = _mm256_mul_ps(d8, _mm256_set1_ps(-128.0f));
     for (size_t i = 0; i < MC; ++i) {
       const int8_t *xq = ws->q + i * K + 32 * b;
       __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[0], broadcast8(xq));
@@ -479,7 +479,7 @@ INLINE void q8_x8(const workspace *ws, const int8_t *qs, const uint16_t *d, size
         __asm__("" : "+x"(s[i]));  // as in q4_x8
       }
     }
-    __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + 8 * b)));
+    __m256 dv = halves8(d + 8 * b);
     for (size_t i = 0; i < MC; ++i) {
       __m256 scale = _mm256_mul_ps(dv, _mm256_broadcast_ss(ws->xd + i * B + b));
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), scale, acc[i]);
@@ -525,7 +525,7 @@ INLINE void f16_row(const float *x, const uint16_t *wn, size_t MC, size_t K, flo
     for (size_t u = 0; u < F16_SPLIT(MC); ++u) acc[i][u] = _mm256_setzero_ps();
 #define F16_STEP(k, u)                                                                               \
   {                                                                                                  \
-    __m256 wk = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wn + (k))));                      \
+    __m256 wk = halves8(wn + (k));                                                                   \
     for (size_t i = 0; i < MC; ++i) acc[i][u] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(x + i * K + (k)), acc[i][u]); \
   }
   size_t k = 0;
@@ -548,10 +548,10 @@ INLINE void f16_row_zmm(const float *x, const uint16_t *wn, size_t MC, size_t K,
   __m512 acc[MC][8];
   for (size_t i = 0; i < MC; ++i)
     for (size_t u = 0; u < F16_SPLIT(MC); ++u) acc[i][u] = _mm512_setzero_ps();
-#define F16_STEP_ZMM(k, u, LOAD_W, LOAD_X)                                                                \
-  {                                                                                                     \
-    __m512 wk = _mm512_cvtph_ps(LOAD_W(wn + (k)));                                                     \
-    for (size_t i = 0; i < MC; ++i) acc[i][u] = _mm512_fmadd_ps(wk, LOAD_X(x + i * K + (k)), acc[i][u]);  \
+#define F16_STEP_ZMM(k, u, LOAD_W, LOAD_X)                                                            \
+  {                                                                                                   \
+    __m512 wk = _mm512_cvtph_ps(LOAD_W(wn + (k)));                                                    \
+    for (size_t i = 0; i < MC; ++i) acc[i][u] = _mm512_fmadd_ps(wk, LOAD_X(x + i * K + (k)), acc[i][u]); \
   }
 #define LOAD_W16(p) _mm256_loadu_si256((const __m256i *)(p))
 #define LOAD_W8(p) _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(p)))  // upper lanes 0
@@ -756,8 +756,7 @@ DEFINE_KERNELS(F16, f16)
 
 // Eight cache values from element i of base, as float32.
 INLINE __m256 load8(const int f16, const void *base, size_t i) {
-  return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)))
-             : _mm256_loadu_ps((const float *)base + i);
+  return f16 ? halves8((const uint16_t *)base + i) : _mm256_loadu_ps((const float *)base + i);
 }
 
 // Rotary embedding of one head x [D] over its first R dims by angles (c, s) [R / 2]: pairs
@@ -889,7 +888,6 @@ INLINE void page_values(const int f16, float *ah, const float *p, const void *v,
     _mm256_storeu_ps(ah + d, a);
   }
 }
-
 
 // Head h's running softmax over one page's scores p [n]: its max and sum updated, p replaced by
 // exp(p - max); returns the factor for the earlier sums.
