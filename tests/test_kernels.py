@@ -62,23 +62,42 @@ def isa(request, monkeypatch):
     return request.param
 
 
-def _compile_and_run(module, x, tmp_path):
-    import iree.runtime as rt
+def _export(module, *inputs, path):
+    """module's forward traced with the kernels enabled (as the exporter traces decode) into the
+    MLIR file `path`; its text."""
     from iree.turbine import aot
+
+    with kernels.enabled():
+        exported = aot.export(module, args=inputs)
+    exported.save_mlir(path)
+    assert kernels.referenced_by(path), "the product was not routed through a kernel"
+    return path.read_text()
+
+
+def _compile_and_run(module, *inputs, tmp_path, kernel=None):
+    """module's forward on `inputs` through IREE with the kernels (the C function `kernel` among
+    those it calls, if given)."""
+    import iree.runtime as rt
 
     from sharkport.compile import compile_mlir
 
-    with kernels.enabled():
-        exported = aot.export(module, args=(x,))
     mlir, vmfb = tmp_path / "m.mlir", tmp_path / "m.vmfb"
-    exported.save_mlir(mlir)
-    assert kernels.referenced_by(mlir), "the product was not routed through a kernel"
+    text = _export(module, *inputs, path=mlir)
+    assert kernel is None or f"@{kernel}(" in text, f"{kernel} is not called"
     compile_mlir(mlir, vmfb)
     config = rt.Config("local-task")
     ctx = rt.SystemContext(config=config)
     ctx.add_vm_module(rt.VmModule.mmap(config.vm_instance, str(vmfb)))
-    out = ctx.modules.module["main"](rt.asdevicearray(config.device, x.numpy()))
+    out = ctx.modules.module["main"](*(rt.asdevicearray(config.device, t.numpy()) for t in inputs))
     return np.array(out.to_host(), copy=True)
+
+
+def _x_seen(kind: str, x: np.ndarray) -> np.ndarray:
+    """x as the kernels multiply it by weights of `kind`: as is for float16, else quantized to
+    Q8_0 and dequantized by gguf.quants."""
+    if kind == "F16":
+        return x
+    return quants.dequantize(quants.quantize(x, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
 
 
 @pytest.mark.parametrize("rows, n, k", [(1, 80, 96), (3, 83, 96), (4, 88, 160), (2, 2104, 128), (8, 2100, 64)])
@@ -98,10 +117,8 @@ def test_kernel_product_equals_gguf_dequantization(kind, rows, n, k, isa, two_cp
     x[:, :32] = rng.integers(-127, 127, (rows, 32)) + 0.5
     x[:, 0] = 127
     x = torch.from_numpy(x)
-    got = _compile_and_run(_Linear(w), x, tmp_path)
-    x_seen = x.numpy() if kind == "F16" else quants.dequantize(quants.quantize(x.numpy(), GGMLQuantizationType.Q8_0),
-                                                                 GGMLQuantizationType.Q8_0)
-    want = x_seen.astype(np.float64) @ dense.T
+    got = _compile_and_run(_Linear(w), x, tmp_path=tmp_path)
+    want = _x_seen(kind, x.numpy()).astype(np.float64) @ dense.T
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
@@ -111,7 +128,7 @@ def test_f16_rows_ending_in_half_a_vector(rows, isa, two_cpus, tmp_path):
     rng = np.random.default_rng(rows)
     w = torch.from_numpy(rng.standard_normal((40, 72)).astype(np.float16))
     x = torch.from_numpy(rng.standard_normal((rows, 72)).astype(np.float32))
-    got = _compile_and_run(_Linear(w), x, tmp_path)
+    got = _compile_and_run(_Linear(w), x, tmp_path=tmp_path)
     want = x.numpy().astype(np.float64) @ w.numpy().astype(np.float64).T
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
@@ -149,12 +166,81 @@ def test_fused_products_equal_gguf_dequantization(kind, form, sizes, isa, two_cp
     dense = [r.astype(np.float64) if kind == "F16" else quants.dequantize(r, GGMLQuantizationType[kind]).astype(np.float64)
              for r in raws]
     x = torch.from_numpy(rng.standard_normal((2, k)).astype(np.float32))
-    got = _compile_and_run(_Fused(form, weights), x, tmp_path)
-    x_seen = x.numpy() if kind == "F16" else quants.dequantize(quants.quantize(x.numpy(), GGMLQuantizationType.Q8_0),
-                                                                 GGMLQuantizationType.Q8_0)
-    ys = [x_seen.astype(np.float64) @ d.T for d in dense]
+    got = _compile_and_run(_Fused(form, weights), x, tmp_path=tmp_path)
+    ys = [_x_seen(kind, x.numpy()).astype(np.float64) @ d.T for d in dense]
     want = np.concatenate(ys, axis=1) if form == "qkv" else ys[0] / (1 + np.exp(-ys[0])) * ys[1]
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+class _NormResidual(torch.nn.Module):
+    """The products of ops.normed(x, g, eps) (`matvec_norm`: ops.linear, `qkv_norm`: ops.linear3,
+    concatenated, `swiglu_norm`: ops.silu_gate), or `matvec_add`: ops.linear(x, w, residual=r);
+    the weights and g as buffers."""
+
+    def __init__(self, form, weights, g, eps):
+        super().__init__()
+        self.form, self.eps, self.fused = form, eps, _Fused(form, weights)
+        self.register_buffer("g", g)
+
+    def forward(self, x, r=None):
+        w = [self.fused.weight(p) for p in self.fused.parts]
+        if self.form == "matvec_add":
+            return ops.linear(x, w[0], residual=r)
+        x = ops.normed(x, self.g, self.eps)
+        if self.form == "matvec_norm":
+            return ops.linear(x, w[0])
+        return torch.cat(ops.linear3(x, *w), dim=-1) if self.form == "qkv_norm" else ops.silu_gate(x, *w)
+
+
+@pytest.mark.parametrize("form, sizes", [("matvec_norm", [83]), ("qkv_norm", [80, 42, 26]),
+                                         ("swiglu_norm", [88, 88]), ("matvec_add", [88])])
+@pytest.mark.parametrize("kind", KINDS)
+def test_products_normalize_x_and_add_the_residual(kind, form, sizes, isa, two_cpus, tmp_path):
+    """A decode layer's RMSNorms and residual adds inside its products' dispatches (ops.normed and
+    linear's residual): x normalized as transformers' LlamaRMSNorm does (then, for quantized weights,
+    quantized to Q8_0), times the matrices (gguf's dequantization), plus the residual. Three rows
+    of x, one of them small enough that eps counts; matrices of 88 and 80, 48, 24 rows interleaved,
+    83 and 42 one row at a time."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    rng = np.random.default_rng(len(sizes))
+    k, eps = 96, 1e-5
+    raws = [quantize_array(rng.standard_normal((n, k)).astype(np.float32), kind) for n in sizes]
+    weights = [torch.from_numpy(r) if kind == "F16" else weight_from_raw(kind, (n, k), r) for n, r in zip(sizes, raws)]
+    dense = [r.astype(np.float64) if kind == "F16" else quants.dequantize(r, GGMLQuantizationType[kind]).astype(np.float64)
+             for r in raws]
+    g = torch.from_numpy(rng.uniform(0.5, 1.5, k).astype(np.float32))
+    x = rng.standard_normal((3, k)).astype(np.float32) * 3
+    x[1] *= 1e-3  # mean square about 1e-5
+    x = torch.from_numpy(x)
+    inputs = (x, torch.from_numpy(rng.standard_normal((3, sizes[0])).astype(np.float32))) if form == "matvec_add" else (x,)
+    got = _compile_and_run(_NormResidual(form, weights, g, eps), *inputs, tmp_path=tmp_path,
+                           kernel=f"sharkport_matvec_{form.removeprefix('matvec_')}_{kind.lower()}"
+                                  f"{'x8' if kind != 'F16' and all(n % 8 == 0 for n in sizes) else ''}")
+    if form == "matvec_add":
+        x_normed = x.numpy()
+    else:
+        reference = LlamaRMSNorm(k, eps=eps)
+        with torch.no_grad():
+            reference.weight.copy_(g)
+            x_normed = reference(x).numpy()
+    ys = [_x_seen(kind, x_normed).astype(np.float64) @ d.T for d in dense]
+    want = ys[0] / (1 + np.exp(-ys[0])) * ys[1] if form == "swiglu_norm" else np.concatenate(ys, axis=1)
+    if form == "matvec_add":
+        want = want + inputs[1].numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_x_too_large_to_normalize_in_the_product_takes_a_norm_dispatch(monkeypatch, tmp_path):
+    """Where x has more than kernels.MAX_NORMED values, the product cannot keep it normalized on its
+    stack: the norm is a dispatch region of its own, and the product the kernel without it."""
+    monkeypatch.setattr(kernels, "MAX_NORMED", 2 * 64 - 1)
+    weights = [torch.from_numpy(np.ones((8, 64), np.float16))] * 3
+    module = _NormResidual("qkv_norm", weights, torch.ones(64), 1e-5)
+    assert "@sharkport_matvec_qkv_norm_f16(" in _export(module, torch.ones(1, 64), path=tmp_path / "one.mlir")
+    text = _export(module, torch.ones(2, 64), path=tmp_path / "two.mlir")
+    assert "@sharkport_matvec_qkv_f16(" in text and "sharkport_rms_norm_2x64" in text
+    assert "qkv_norm" not in text
 
 
 class _Attention(torch.nn.Module):
@@ -375,9 +461,11 @@ def kernel_module(quantized_tiny, tmp_path_factory):
             mlir = (out / "m.mlir").read_text()
             cache = "_f16(" if cache_dtype == torch.float16 else "("
             for kernel in (f"sharkport_decode_kv_write{cache}", f"sharkport_decode_attention{cache}",
-                           f"sharkport_matvec_qkv_{type_name}", f"sharkport_matvec_swiglu_{type_name}",
+                           f"sharkport_matvec_qkv_norm_{type_name}", f"sharkport_matvec_swiglu_norm_{type_name}",
+                           f"sharkport_matvec_add_{type_name}", f"sharkport_matvec_norm_{type_name}",
                            "sharkport_prefill_attention("):
                 assert kernel in mlir, f"{kernel} is not called: the traced form was taken"
+            assert "sharkport_rms_norm" not in mlir, "a decode norm took a dispatch of its own"
             compile_mlir(out / "m.mlir", out / "m.vmfb")
             made[type_name, cache_dtype] = out / "m.vmfb", irpa, out / "m.json", gguf_path
         return made[type_name, cache_dtype]
@@ -470,12 +558,12 @@ def test_q4_rows_are_interleaved_once_as_the_module_loads(kernel_module, quantiz
     from sharkport.export import export_model, save_export
 
     interleaved = kernel_module("q4_1")[0].with_suffix(".mlir")
-    assert "sharkport_matvec_qkv_q4_1x8" in interleaved.read_text()
+    assert "sharkport_matvec_qkv_norm_q4_1x8" in interleaved.read_text()
     monkeypatch.setattr(kernels, "INTERLEAVED", {})
     output, service = export_model(Dataset.load(quantized_tiny("q4_1")[1]),
                                    dataclasses.replace(TINY_EXPORT, matvec_kernels=True))
     save_export(output, service, tmp_path / "stored.mlir", tmp_path / "stored.json")
-    assert "sharkport_matvec_qkv_q4_1(" in (tmp_path / "stored.mlir").read_text()
+    assert "sharkport_matvec_qkv_norm_q4_1(" in (tmp_path / "stored.mlir").read_text()
     counts = [_decode_bs1_commands(m).count("@hal.command_buffer.dispatch")
               for m in (interleaved, tmp_path / "stored.mlir")]
     assert counts[0] == counts[1], f"decode_bs1 dispatches: {counts[0]} interleaved, {counts[1]} as stored"

@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
                              "and linked by iree-compile: products with Q8_0/Q4_0/Q4_1/F16 weights read as "
                              "stored (Q8_0/Q4 through a copy with rows interleaved eight at a time, which the "
                              "module makes as it loads; with quantized weights x is quantized to 8 bits per "
-                             "block of 32, as llama.cpp does), q/k/v and gate/up each in one dispatch, rotary, "
+                             "block of 32, as llama.cpp does), q/k/v and gate/up each in one dispatch with the "
+                             "RMSNorm before them, the residual adds in the products before them, rotary, "
                              "the cache write and attention over the pages in place; prefill's causal attention too. "
                              "About 3x faster decode on llvm-cpu (SmolLM2 Q4_1 bs1 22.7 -> 6.8 ms) and 1.1 to "
                              "1.25x faster prefill (docs/performance.md). The MLIR then compiles only for x86-64 CPUs")

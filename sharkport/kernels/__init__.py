@@ -5,7 +5,9 @@ products and attention, prefill's attention.
 Q4_1 planes or float16 (quantized matrices of a row count that is a multiple of 8 through a copy
 with their rows interleaved eight at a time, which the module makes once as it loads: see
 interleave_rows); also q, k, v of one x in one dispatch (`matvec_qkv`), SwiGLU's
-silu(x gate^T) * (x up^T) (`swiglu`), decode attention over the paged cache with rotary and the
+silu(x gate^T) * (x up^T) (`swiglu`), each product optionally of x RMS-normalized first (`norm`)
+or, for one matrix, plus a residual (`residual`), so that a llama layer's norms and residual adds
+take no dispatch of their own; decode attention over the paged cache with rotary and the
 new position's cache write (`decode_attention`), and prefill's causal attention of the prompt to
 its own K and V (`prefill_attention`; as IREE 3.9 compiles it, about 11% of SmolLM2's prefill).
 With quantized weights it multiplies 8-bit integers, as llama.cpp does on CPUs: x is quantized
@@ -46,13 +48,18 @@ from ..errors import SharkportError
 SOURCE = Path(__file__).with_name("matvec.c")
 MAX_ROWS = 8  # products over more rows of x keep the traced form (prefill, large batches)
 MAX_K = 32 * 512  # longest rows of w: a workgroup keeps x quantized (MAX_K bytes a row) on its stack
+# products that RMS-normalize x first (matvec.c's XN_FLOATS): each workgroup keeps the normalized
+# x [M, K] on its stack, M * K of at most MAX_NORMED values (32 KiB); larger x is normalized by a
+# dispatch of its own (SmolLM2: M up to 8 of K = 576; a 4096-wide model's decode at batch 1 and 2)
+MAX_NORMED = 8192
 # decode attention: query heads per kv head times head_dim, and positions per page, it takes
 MAX_GD, MAX_STRIDE = 2048, 256
 # prefill attention: the longest head, and query heads per kv head times head_dim, it takes
 PREFILL_MAX_D, PREFILL_MAX_GD = 256, 1024  # matvec.c's PA_MAX_D, PA_MAX_GD
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffreestanding", "-fPIC", "-fno-stack-protector",
           "-fno-asynchronous-unwind-tables", "-fno-plt", "-fvisibility=hidden", "-std=c11",
-          f"-DMAX_BLOCKS={MAX_K // 32}", f"-DXQ_BYTES={MAX_K}", f"-DMAX_GD={MAX_GD}", f"-DMAX_STRIDE={MAX_STRIDE}"]
+          f"-DMAX_BLOCKS={MAX_K // 32}", f"-DXQ_BYTES={MAX_K}",
+          f"-DXN_FLOATS={MAX_NORMED}", f"-DMAX_GD={MAX_GD}", f"-DMAX_STRIDE={MAX_STRIDE}"]
 # Instruction sets the object is built for (isa()): "avx2" runs on any x86-64 CPU of the last
 # decade; "avx512" adds AVX-512 with VNNI, for which matvec.c's interleaved products run 64-byte
 # vectors and `vpdpbusd` (q4_x8_zmm, q8_x8_zmm). /proc/cpuinfo's names of the features it needs.
@@ -123,11 +130,19 @@ def decode_rows(x) -> bool:
     return _enabled and isinstance(rows, int) and rows <= MAX_ROWS and x.dtype == torch.float32
 
 
-def _product(form: str, x, weights):
+def _product(form: str, x, weights, norm=None, residual=None):
     """x [M, K] float32 times `weights` through the kernel of `form` (see kernels.ops.FORMS), or
     None where none applies: outside `enabled()`, for a dynamic or large M, other dtypes and weight
-    types, matrices of different types."""
+    types, matrices of different types. `norm` (its weight [K] float32, eps): x RMS-normalized
+    first, where M * K <= MAX_NORMED; `residual` [M, N] float32: added to the product."""
+    import torch
+
     if not (decode_rows(x) and x.shape[1] <= MAX_K):
+        return None
+    if norm is not None and not (x.shape[0] * x.shape[1] <= MAX_NORMED and norm[0].dtype == torch.float32
+                                 and tuple(norm[0].shape) == (x.shape[1],)):
+        return None
+    if residual is not None and residual.dtype != torch.float32:
         return None
     kinds = {kernel_type(w) for w in weights}
     if len(kinds) != 1 or None in kinds:
@@ -138,7 +153,9 @@ def _product(form: str, x, weights):
         kind, planes = INTERLEAVED[kind], [interleave_rows(p) for p in planes]
     from .ops import OPS
 
-    return OPS[kind, form](x, *(p for each in planes for p in each))
+    norm_weight, eps = ([norm[0]], [float(norm[1])]) if norm is not None else ([], [])
+    return OPS[kind, form](x, *norm_weight, *(p for each in planes for p in each),
+                           *([] if residual is None else [residual]), *eps)
 
 
 def interleave_rows(planes):
@@ -163,16 +180,23 @@ def deinterleave_rows(planes):
             *(p.reshape(N // 8, B, 8).permute(0, 2, 1).reshape(N, B) for p in scales)]
 
 
-def matvec(x, w):
-    """x [M, K] float32 @ w[N, K].T → [M, N] through a kernel, or None where none applies."""
-    return _product("matvec", x, [w])
+def matvec(x, w, norm=None, residual=None):
+    """x [M, K] float32 @ w[N, K].T → [M, N] through a kernel, or None where none applies. With
+    `norm` (weight [K], eps) x is RMS-normalized first as ops.rms_norm does (the output projection
+    after the final norm); with `residual` [M, N] the result is residual + x @ w.T (attention's
+    output projection and the FFN's down projection with their residual adds); not both."""
+    if norm is not None and residual is not None:
+        return None
+    form = "matvec_norm" if norm is not None else "matvec_add" if residual is not None else "matvec"
+    return _product(form, x, [w], norm, residual)
 
 
-def matvec_qkv(x, wq, wk, wv):
-    """(x @ wq.T, x @ wk.T, x @ wv.T) by one kernel dispatch, or None. The dispatch writes the
-    three products one after the other, so each is a contiguous slice of its result (a strided
-    one would be copied before its use: 3 copies per layer at batch 4)."""
-    y = _product("qkv", x, [wq, wk, wv])
+def matvec_qkv(x, wq, wk, wv, norm=None):
+    """(x @ wq.T, x @ wk.T, x @ wv.T) by one kernel dispatch, or None; with `norm` (weight [K],
+    eps), of x RMS-normalized. The dispatch writes the three products one after the other, so each
+    is a contiguous slice of its result (a strided one would be copied before its use: 3 copies per
+    layer at batch 4)."""
+    y = _product("qkv" if norm is None else "qkv_norm", x, [wq, wk, wv], norm)
     if y is None:
         return None
     flat, rows = y.flatten(), x.shape[0]
@@ -180,9 +204,10 @@ def matvec_qkv(x, wq, wk, wv):
     return tuple(part.view(rows, -1) for part in flat.split(sizes))
 
 
-def swiglu(x, gate, up):
-    """silu(x @ gate.T) * (x @ up.T) → [M, N] by one kernel dispatch, or None."""
-    return _product("swiglu", x, [gate, up])
+def swiglu(x, gate, up, norm=None):
+    """silu(x @ gate.T) * (x @ up.T) → [M, N] by one kernel dispatch, or None; with `norm`
+    (weight [K], eps), of x RMS-normalized."""
+    return _product("swiglu" if norm is None else "swiglu_norm", x, [gate, up], norm)
 
 
 def decode_attention(q, k, v, cache_state, cache, layer, page_ids, start_positions, seq_lens, rope=None,

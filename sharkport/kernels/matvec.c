@@ -23,8 +23,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-// MAX_BLOCKS (blocks of 32 in a row of w) and XQ_BYTES (bytes of quantized x a workgroup keeps
-// on its stack; IREE's workers have 128 KiB) come from sharkport.kernels' CFLAGS.
+// MAX_BLOCKS (blocks of 32 in a row of w), XQ_BYTES (bytes of quantized x a workgroup keeps
+// on its stack; IREE's workers have 128 KiB) and XN_FLOATS (values of RMS-normalized x it keeps)
+// come from sharkport.kernels' CFLAGS.
 #define MAX_M 8
 #define MEMREF(T, name) \
   T *restrict name, T *restrict name##_aligned, size_t name##_offset, size_t name##_size, size_t name##_stride
@@ -137,6 +138,7 @@ static void pair_blocks(int8_t *q, size_t mc, size_t K) {
 typedef struct {
   int8_t q[XQ_BYTES];
   float xd[XQ_BYTES / 32], xs[XQ_BYTES / 32], cs[XQ_BYTES / 32];
+  float xn[XN_FLOATS];  // x RMS-normalized, for the products that normalize it (rms_norm_rows)
 } workspace;
 
 // Rows of x a workgroup quantizes at a time: all of them (up to MAX_M) if they fit.
@@ -658,23 +660,52 @@ INLINE void some_rows(int kind, workspace *ws, const float *x, const matrix *w, 
   for (size_t i = 0; i < mc; ++i) out[i][0] = column[i];
 }
 
+// Rows x [M, K] (K a multiple of 8) RMS-normalized by weight g [K] into xn, as sharkport.ops.rms_norm:
+// x * (1 / sqrt(sum(x^2) / K + eps)) * g. The squares add in four chains.
+static void rms_norm_rows(const float *x, const float *g, float eps, size_t M, size_t K, float *xn) {
+  for (size_t i = 0; i < M; ++i, x += K, xn += K) {
+    __m256 sq[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    size_t k = 0;
+    for (; k + 32 <= K; k += 32)
+      for (size_t u = 0; u < 4; ++u) {
+        __m256 v = _mm256_loadu_ps(x + k + 8 * u);
+        sq[u] = _mm256_fmadd_ps(v, v, sq[u]);
+      }
+    for (; k < K; k += 8) {
+      __m256 v = _mm256_loadu_ps(x + k);
+      sq[0] = _mm256_fmadd_ps(v, v, sq[0]);
+    }
+    float squares = hsum(_mm256_add_ps(_mm256_add_ps(sq[0], sq[1]), _mm256_add_ps(sq[2], sq[3])));
+    __m256 r = _mm256_set1_ps(_mm_cvtss_f32(_mm_div_ss(_mm_set_ss(1.0f), _mm_sqrt_ss(_mm_set_ss(squares / (float)K + eps)))));
+    for (k = 0; k < K; k += 8)
+      _mm256_storeu_ps(xn + k, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + k), r), _mm256_loadu_ps(g + k)));
+  }
+}
+
 // Outputs [n0, n1) of workgroup wg (`rows` per workgroup) of the product of x [M, K] with the
 // `count` matrices w. CONCAT: N outputs, the rows of the matrices one after the other, and y the
 // products [M, w[j].n] one after the other (so that each is a contiguous tensor); SWIGLU:
 // N = w[0].n and y [M, N]. Interleaved weights go eight rows at a time: each matrix's rows, and
 // so the workgroup's (a multiple of 32), are a multiple of 8.
-INLINE void matvec(int kind, int op, const float *x, const matrix *w, size_t count, float *y, size_t M, size_t N,
-                   size_t K, size_t rows, size_t wg) {
+// With a norm weight g [K] (not null), x is first RMS-normalized by it (each workgroup normalizes
+// all of x, M * K <= XN_FLOATS values); with a residual r (CONCAT, laid out as y), y = r + product.
+// So a decode layer's norms and residual adds take no dispatch of their own.
+INLINE void matvec(int kind, int op, const float *x, const float *g, float eps, const matrix *w, size_t count,
+                   const float *r, float *y, size_t M, size_t N, size_t K, size_t rows, size_t wg) {
   ROW_RANGE
-  if (K / 32 > MAX_BLOCKS) return;  // never traced: kernels routes only rows this short
+  if (K / 32 > MAX_BLOCKS || (g && M * K > XN_FLOATS)) return;  // never traced: kernels routes only these
   workspace ws;
-  const size_t g = kind == Q4_0X8 || kind == Q4_1X8 || kind == Q8_0X8 ? 8 : 1;  // rows of w at a time
+  if (g) {
+    rms_norm_rows(x, g, eps, M, K, ws.xn);
+    x = ws.xn;
+  }
+  const size_t group = kind == Q4_0X8 || kind == Q4_1X8 || kind == Q8_0X8 ? 8 : 1;  // rows of w at a time
   for (size_t m0 = 0, mc; m0 < M; m0 += mc) {
     mc = kind == F16 ? (M - m0 < MAX_M ? M - m0 : MAX_M) : chunk_rows(M, m0, K);
     if (kind != F16) quantize_x(x + m0 * K, mc, K, ws.q, ws.xd, ws.xs);
     if (kind == Q4_0 || kind == Q4_1) pair_blocks(ws.q, mc, K);
     size_t j = 0, first = 0;  // the matrix holding output n, its first output
-    for (size_t n = n0; n < n1; n += g) {
+    for (size_t n = n0; n < n1; n += group) {
       while (op == CONCAT && j + 1 < count && n >= first + w[j].n) first += w[j++].n;
       float out[MAX_M][8];
       some_rows(kind, &ws, x + m0 * K, &w[j], n - first, mc, K, out);
@@ -683,21 +714,27 @@ INLINE void matvec(int kind, int op, const float *x, const matrix *w, size_t cou
         some_rows(kind, &ws, x + m0 * K, &w[1], n, mc, K, up);
         for (size_t i = 0; i < mc; ++i) {
           float *yi = y + (m0 + i) * N + n;
-          if (g == 8)  // the group's eight outputs at once
+          if (group == 8)  // the group's eight outputs at once
             _mm256_storeu_ps(yi, swiglu8(_mm256_loadu_ps(out[i]), _mm256_loadu_ps(up[i])));
           else
             yi[0] = silu(out[i][0]) * up[i][0];
         }
       } else {
         for (size_t i = 0; i < mc; ++i)
-          for (size_t r = 0; r < g; ++r) y[first * M + (m0 + i) * w[j].n + n - first + r] = out[i][r];
+          for (size_t c = 0; c < group; ++c) {
+            size_t at = first * M + (m0 + i) * w[j].n + n - first + c;
+            y[at] = r ? r[at] + out[i][c] : out[i][c];
+          }
       }
     }
   }
 }
 
-// The C functions: one matrix (sharkport_matvec_<type>), three concatenated (..._qkv_<type>),
-// and gate/up with SiLU (..._swiglu_<type>), each with its planes in kernels.PLANES order.
+// The C functions, each with its planes in kernels.PLANES order (forms in kernels.ops.FORMS):
+// sharkport_matvec_<type>: y = x w^T; ..._add_<type>: y = r + x w^T; ..._norm_<type>: y = n(x) w^T,
+// n(x) x RMS-normalized by weight g; ..._qkv_<type>: x times three matrices, the products one
+// after the other; ..._qkv_norm_<type>: n(x) so; ..._swiglu_<type>: silu(x a^T) * (x b^T);
+// ..._swiglu_norm_<type>: n(x) so. A norm's weight g follows x, its eps comes last.
 #define ARGS_Q8_0(p) MEMREF(const int8_t, p##qs), MEMREF(const uint16_t, p##d)
 #define ARGS_Q4_0(p) MEMREF(const uint8_t, p##qs), MEMREF(const uint16_t, p##d)
 #define ARGS_Q4_1(p) MEMREF(const uint8_t, p##qs), MEMREF(const uint16_t, p##d), MEMREF(const uint16_t, p##m)
@@ -712,22 +749,40 @@ INLINE void matvec(int kind, int op, const float *x, const matrix *w, size_t cou
 #define MAT_Q4_0X8 MAT_Q4_0
 #define MAT_Q4_1X8 MAT_Q4_1
 #define MAT_F16(p, rows) {BASE(p##qs), 0, 0, rows}
-#define DEFINE_KERNELS(T, lower)                                                                         \
-  void sharkport_matvec_##lower(MEMREF(const float, x), ARGS_##T(a), MEMREF(float, y), size_t M, size_t N, \
-                                size_t K, size_t rows, size_t wg) {                                      \
-    matrix w[1] = {MAT_##T(a, N)};                                                                       \
-    matvec(T, CONCAT, BASE(x), w, 1, BASE(y), M, N, K, rows, wg);                                        \
-  }                                                                                                      \
-  void sharkport_matvec_qkv_##lower(MEMREF(const float, x), ARGS_##T(a), ARGS_##T(b), ARGS_##T(c),       \
-                                    MEMREF(float, y), size_t M, size_t N0, size_t N1, size_t N2, size_t K, \
-                                    size_t rows, size_t wg) {                                            \
-    matrix w[3] = {MAT_##T(a, N0), MAT_##T(b, N1), MAT_##T(c, N2)};                                      \
-    matvec(T, CONCAT, BASE(x), w, 3, BASE(y), M, N0 + N1 + N2, K, rows, wg);                             \
-  }                                                                                                      \
-  void sharkport_matvec_swiglu_##lower(MEMREF(const float, x), ARGS_##T(a), ARGS_##T(b), MEMREF(float, y), \
-                                       size_t M, size_t N, size_t K, size_t rows, size_t wg) {           \
-    matrix w[2] = {MAT_##T(a, N), MAT_##T(b, N)};                                                        \
-    matvec(T, SWIGLU, BASE(x), w, 2, BASE(y), M, N, K, rows, wg);                                        \
+#define X_ARG MEMREF(const float, x)
+#define NORM_ARG MEMREF(const float, g)
+#define N_ARGS size_t M, size_t N, size_t K, size_t rows, size_t wg
+#define QKV_N_ARGS size_t M, size_t N0, size_t N1, size_t N2, size_t K, size_t rows, size_t wg
+#define DEFINE_KERNELS(T, lower)                                                                                    \
+  void sharkport_matvec_##lower(X_ARG, ARGS_##T(a), MEMREF(float, y), N_ARGS) {                                     \
+    matrix w[1] = {MAT_##T(a, N)};                                                                                  \
+    matvec(T, CONCAT, BASE(x), 0, 0, w, 1, 0, BASE(y), M, N, K, rows, wg);                                          \
+  }                                                                                                                 \
+  void sharkport_matvec_add_##lower(X_ARG, ARGS_##T(a), MEMREF(const float, r), MEMREF(float, y), N_ARGS) {         \
+    matrix w[1] = {MAT_##T(a, N)};                                                                                  \
+    matvec(T, CONCAT, BASE(x), 0, 0, w, 1, BASE(r), BASE(y), M, N, K, rows, wg);                                    \
+  }                                                                                                                 \
+  void sharkport_matvec_norm_##lower(X_ARG, NORM_ARG, ARGS_##T(a), MEMREF(float, y), N_ARGS, float eps) {           \
+    matrix w[1] = {MAT_##T(a, N)};                                                                                  \
+    matvec(T, CONCAT, BASE(x), BASE(g), eps, w, 1, 0, BASE(y), M, N, K, rows, wg);                                  \
+  }                                                                                                                 \
+  void sharkport_matvec_qkv_##lower(X_ARG, ARGS_##T(a), ARGS_##T(b), ARGS_##T(c), MEMREF(float, y), QKV_N_ARGS) {   \
+    matrix w[3] = {MAT_##T(a, N0), MAT_##T(b, N1), MAT_##T(c, N2)};                                                 \
+    matvec(T, CONCAT, BASE(x), 0, 0, w, 3, 0, BASE(y), M, N0 + N1 + N2, K, rows, wg);                               \
+  }                                                                                                                 \
+  void sharkport_matvec_qkv_norm_##lower(X_ARG, NORM_ARG, ARGS_##T(a), ARGS_##T(b), ARGS_##T(c), MEMREF(float, y),  \
+                                         QKV_N_ARGS, float eps) {                                                   \
+    matrix w[3] = {MAT_##T(a, N0), MAT_##T(b, N1), MAT_##T(c, N2)};                                                 \
+    matvec(T, CONCAT, BASE(x), BASE(g), eps, w, 3, 0, BASE(y), M, N0 + N1 + N2, K, rows, wg);                       \
+  }                                                                                                                 \
+  void sharkport_matvec_swiglu_##lower(X_ARG, ARGS_##T(a), ARGS_##T(b), MEMREF(float, y), N_ARGS) {                 \
+    matrix w[2] = {MAT_##T(a, N), MAT_##T(b, N)};                                                                   \
+    matvec(T, SWIGLU, BASE(x), 0, 0, w, 2, 0, BASE(y), M, N, K, rows, wg);                                          \
+  }                                                                                                                 \
+  void sharkport_matvec_swiglu_norm_##lower(X_ARG, NORM_ARG, ARGS_##T(a), ARGS_##T(b), MEMREF(float, y), N_ARGS,    \
+                                            float eps) {                                                            \
+    matrix w[2] = {MAT_##T(a, N), MAT_##T(b, N)};                                                                   \
+    matvec(T, SWIGLU, BASE(x), BASE(g), eps, w, 2, 0, BASE(y), M, N, K, rows, wg);                                  \
   }
 
 DEFINE_KERNELS(Q8_0, q8_0)
@@ -737,6 +792,10 @@ DEFINE_KERNELS(Q4_0X8, q4_0x8)
 DEFINE_KERNELS(Q4_1X8, q4_1x8)
 DEFINE_KERNELS(Q8_0X8, q8_0x8)
 DEFINE_KERNELS(F16, f16)
+#undef X_ARG
+#undef NORM_ARG
+#undef N_ARGS
+#undef QKV_N_ARGS
 
 // ---- Decode attention over the paged KV cache ----
 //

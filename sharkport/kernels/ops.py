@@ -19,9 +19,18 @@ from . import (MAX_ROWS_PER_WORKGROUP, PLANES, ROW_QUANTUM, SIZES, STORED, deint
 _LIBRARY = def_library("sharkport_kernels")
 
 
-# Products one kernel dispatch computes: one matrix; three concatenated (attention's q, k, v of
-# one x); two combined as silu(x g^T) * (x u^T) (a SwiGLU's gate and up). form -> matrices.
-FORMS = {"matvec": 1, "qkv": 3, "swiglu": 2}
+@dataclass(frozen=True)
+class Form:
+    """What one kernel dispatch of a product computes (matvec.c's C functions)."""
+    matrices: int  # products of one x: 1; 3 concatenated (attention's q, k, v); 2 as SwiGLU's
+    swiglu: bool = False  # y = silu(x a^T) * (x b^T)
+    norm: bool = False  # x RMS-normalized first by a weight [K] (the operand after x) and eps
+    residual: bool = False  # y = r + x w^T (r [M, N], the operand after the planes)
+
+
+FORMS = {"matvec": Form(1), "matvec_add": Form(1, residual=True), "matvec_norm": Form(1, norm=True),
+         "qkv": Form(3), "qkv_norm": Form(3, norm=True),
+         "swiglu": Form(2, swiglu=True), "swiglu_norm": Form(2, swiglu=True, norm=True)}
 
 
 def _dequantized(kind: str, planes, k: int) -> torch.Tensor:
@@ -32,14 +41,23 @@ def _dequantized(kind: str, planes, k: int) -> torch.Tensor:
     return QuantizedTensor(kind, (planes[0].shape[0], k), dict(zip(PLANES[kind], planes))).dequant().to(torch.float32)
 
 
-def _eager(kind: str, form: str, x: torch.Tensor, *planes: torch.Tensor) -> torch.Tensor:
-    """The kernel's result in torch: x (Q8_0-quantized for quantized weights) times each matrix."""
+def _eager(kind: str, form: Form, x: torch.Tensor, *args) -> torch.Tensor:
+    """The kernel's result in torch: x (normalized as ops.rms_norm, then Q8_0-quantized for
+    quantized weights) times each matrix."""
+    from ..ops import rms_norm
+
+    if form.norm:
+        *args, eps = args
+        g, *args = args
+        x = rms_norm(x, g, eps)
+    planes, residual = (args[:-1], args[-1]) if form.residual else (args, None)
     x = x if kind == "F16" else quantized_x(x)
     per = len(PLANES[kind])
     ys = [torch.mm(x, _dequantized(kind, planes[i:i + per], x.shape[1]).t()) for i in range(0, len(planes), per)]
-    if form == "swiglu":
+    if form.swiglu:
         return torch.nn.functional.silu(ys[0]) * ys[1]
-    return torch.cat([y.flatten() for y in ys]).view(x.shape[0], -1)  # [M, N0] [M, N1] ... in a row
+    y = torch.cat([y.flatten() for y in ys]).view(x.shape[0], -1)  # [M, N0] [M, N1] ... in a row
+    return y if residual is None else residual + y
 
 
 def _tensor_type(rank: int, element: str) -> str:
@@ -60,31 +78,39 @@ def _objects() -> str:
 
 
 def _c_name(kind: str, form: str) -> str:
-    return f"sharkport_matvec_{'' if form == 'matvec' else form + '_'}{kind.lower()}"
+    """matvec.c's function: sharkport_matvec_<type>, and sharkport_matvec_<form>_<type> for the
+    other forms (a form's own "matvec_" dropped: sharkport_matvec_add_<type>)."""
+    name = form.removeprefix("matvec").lstrip("_")
+    return "_".join(["sharkport_matvec", *([name] if name else []), kind.lower()])
 
 
-def _function_name(kind: str, form: str) -> str:
-    return f"{_c_name(kind, form)}_dispatch"
+def _stem(kind: str, form: str, eps: float | None) -> str:
+    """The name of the util.func calling the kernel (<stem>_dispatch) and of its executable
+    (<stem>_executable): the C function's, and a norm's eps, which is baked into both."""
+    return f"{_c_name(kind, form)}{'' if eps is None else f'_e{_float_bits(eps):08x}'}"
 
 
-def _module(kind: str, form: str, arg_types: list[tuple[int, str]]) -> str:
-    """MLIR module text of the kernel for `kind` and `form`: util.func `_function_name` taking x
-    and the matrices' planes (all dims dynamic), which dispatches the C function over
-    ceil(N / rows) workgroups of `rows` outputs each (see kernels.ROW_QUANTUM)."""
-    c_name, name = _c_name(kind, form), _function_name(kind, form)
-    count, per = FORMS[form], len(PLANES[kind])
+def _module(kind: str, form_name: str, arg_types: list[tuple[int, str]], eps: float | None) -> str:
+    """MLIR module text of the kernel for `kind` and `form_name`: util.func <_stem>_dispatch taking
+    the op's tensors (x, the norm's weight, the matrices' planes, the residual; all dims dynamic),
+    which dispatches the C function over ceil(N / rows) workgroups of `rows` outputs each (see
+    kernels.ROW_QUANTUM)."""
+    form = FORMS[form_name]
+    c_name, stem = _c_name(kind, form_name), _stem(kind, form_name, eps)
+    per, first_plane = len(PLANES[kind]), 2 if form.norm else 1
     types = [_tensor_type(r, e) for r, e in arg_types]
     elements = [e for _, e in arg_types] + ["f32"]
     n_args = len(arg_types) + 1
     # the C function's sizes: M, each matrix's rows (swiglu: one N, the gate's), K
-    ns = [f"%n{i}" for i in range(1 if form == "swiglu" else count)]
+    ns = [f"%n{i}" for i in range(1 if form.swiglu else form.matrices)]
     bindings = ", ".join(f"%b{i}: !stream.binding" for i in range(n_args))
     subspans = "\n".join(
         f"        %s{i} = stream.binding.subspan %b{i}[%c0] : !stream.binding -> {_memref(e)}{{%size{i}}}"
         for i, e in enumerate(elements))
     x_spec, *plane_specs, y_spec = SIZES[kind]
-    specs = [(x_spec, None)] + [(spec, f"%n{i if form != 'swiglu' else 0}") for i in range(count)
-                                for spec in plane_specs] + [(y_spec, "%ntotal")]
+    specs = ([(x_spec, None)] + ([("k1", None)] if form.norm else [])
+             + [(spec, f"%n{0 if form.swiglu else i}") for i in range(form.matrices) for spec in plane_specs]
+             + ([(y_spec, "%ntotal")] if form.residual else []) + [(y_spec, "%ntotal")])
     sizes = "\n".join(_size(i, spec, n) for i, (spec, n) in enumerate(specs))
     memrefs = ", ".join(_memref(e) for e in elements)
     args = ", ".join(f"%a{i}" for i in range(len(arg_types)))
@@ -92,31 +118,36 @@ def _module(kind: str, form: str, arg_types: list[tuple[int, str]]) -> str:
     dim_ops = "\n".join(f"    %a{i}d{j} = tensor.dim %a{i}, %c{j} : {types[i]}"
                         for i, (rank, _) in enumerate(arg_types) for j in range(rank))
     operand_types = ", ".join(f"{t}{d}" for t, d in zip(types, dims))
-    n_values = "\n".join(f"    %n{i} = tensor.dim %a{1 + i * per}, %c0 : {types[1 + i * per]}" for i in range(len(ns)))
+    n_values = "\n".join(f"    %n{i} = tensor.dim %a{first_plane + i * per}, %c0 : {types[first_plane + i * per]}"
+                         for i in range(len(ns)))
     sums = _total_rows(len(ns), "    ", "%total")
     entry_ns = ", ".join(f"{n}: index" for n in ns)
+    eps_type, eps_arg = (", f32", ", %eps") if form.norm else ("", "")
+    eps_op = f"\n        %eps = arith.constant 0x{_float_bits(eps):08X} : f32" if form.norm else ""
+    call_types = f"({memrefs}, index, {'index, ' * len(ns)}index, index, index{eps_type})"
     return f"""
 module {{
-  stream.executable private @{c_name}_executable attributes {{{_objects()}}} {{
+  stream.executable private @{stem}_executable attributes {{{_objects()}}} {{
     stream.executable.export public @{c_name}_entry workgroups(%n: index, %rows: index) -> (index, index, index) {{
       %x = arith.ceildivui %n, %rows : index
       %c1 = arith.constant 1 : index
       stream.return %x, %c1, %c1 : index, index, index
     }}
     builtin.module {{
-      func.func private @{c_name}({memrefs}, index, {"index, " * len(ns)}index, index, index) attributes {{hal.import.static}}
+      func.func private @{c_name}{call_types} attributes {{hal.import.static}}
       func.func @{c_name}_entry({bindings}, %m: index, {entry_ns}, %k: index, %rows: index) {{
         %c0 = arith.constant 0 : index
-        %wg = hal.interface.workgroup.id[0] : index
+        %c1 = arith.constant 1 : index
+        %wg = hal.interface.workgroup.id[0] : index{eps_op}
 {_total_rows(len(ns), "        ", "%ntotal")}
 {sizes}
 {subspans}
-        func.call @{c_name}({", ".join(f"%s{i}" for i in range(n_args))}, %m, {", ".join(ns)}, %k, %rows, %wg) : ({memrefs}, index, {"index, " * len(ns)}index, index, index) -> ()
+        func.call @{c_name}({", ".join(f"%s{i}" for i in range(n_args))}, %m, {", ".join(ns)}, %k, %rows, %wg{eps_arg}) : {call_types} -> ()
         return
       }}
     }}
   }}
-  util.func private @{name}({", ".join(f"%a{i}: {t}" for i, t in enumerate(types))}) -> tensor<?x?xf32> {{
+  util.func private @{stem}_dispatch({", ".join(f"%a{i}: {t}" for i, t in enumerate(types))}) -> tensor<?x?xf32> {{
     %c0 = arith.constant 0 : index
     %c1 = arith.constant 1 : index
     %c2 = arith.constant 2 : index
@@ -124,7 +155,7 @@ module {{
 {n_values}
 {sums}
     %rows = affine.min affine_map<()[s0] -> ((s0 ceildiv {ROW_QUANTUM * workgroups()}) * {ROW_QUANTUM}, {MAX_ROWS_PER_WORKGROUP})>()[%total]
-    %y = flow.dispatch @{c_name}_executable::@{c_name}_entry[%total, %rows]({args}, %a0d0, {", ".join(ns)}, %a0d1, %rows) : ({operand_types}, index, {"index, " * len(ns)}index, index) -> tensor<?x?xf32>{{%a0d0, %total}}
+    %y = flow.dispatch @{stem}_executable::@{c_name}_entry[%total, %rows]({args}, %a0d0, {", ".join(ns)}, %a0d1, %rows) : ({operand_types}, index, {"index, " * len(ns)}index, index) -> tensor<?x?xf32>{{%a0d0, %total}}
     util.return %y : tensor<?x?xf32>
   }}
 }}"""
@@ -141,38 +172,46 @@ def _total_rows(count: int, indent: str, result: str) -> str:
 
 def _size(i: int, spec, n: str | None) -> str:
     """MLIR computing binding i's element count %size{i} from %m, the row count `n` and %k (see
-    SIZES: "mk" is M*K, ("nk", 2) N*K/2, "mn" M*N)."""
+    SIZES: "mk" is M*K, ("nk", 2) N*K/2, "mn" M*N; "k1" is K)."""
     (a, b), divisor = (spec, 1) if isinstance(spec, str) else spec
-    value = {"m": "%m", "k": "%k", "n": n}
+    value = {"m": "%m", "k": "%k", "n": n, "1": "%c1"}
     return (f"        %d{i} = arith.constant {divisor} : index\n"
             f"        %p{i} = arith.muli {value[a]}, {value[b]} : index\n"
             f"        %size{i} = arith.divui %p{i}, %d{i} : index")
 
 
-def _register(kind: str, form: str):
-    planes = [f"{p}{i}" for i in range(FORMS[form]) for p in PLANES[kind]]
-    per = len(PLANES[kind])
+def _register(kind: str, form_name: str):
+    form = FORMS[form_name]
+    planes = [f"{p}{i}" for i in range(form.matrices) for p in PLANES[kind]]
+    per, first_plane = len(PLANES[kind]), 2 if form.norm else 1
+    tensors = ["x"] + (["g"] if form.norm else []) + planes + (["r"] if form.residual else [])
+    eps_arg = ", float eps" if form.norm else ""
 
     class Op(CustomOp):
-        signature = f"{_c_name(kind, form)[len('sharkport_'):]}(Tensor x, {', '.join(f'Tensor {p}' for p in planes)}) -> (Tensor)"
+        signature = (f"{_c_name(kind, form_name)[len('sharkport_'):]}({', '.join(f'Tensor {t}' for t in tensors)}"
+                     f"{eps_arg}) -> (Tensor)")
 
         def select(self, ksel: KernelSelection):
-            x = ksel.arg_tensor(0)
-            rows = [ksel.arg_tensor(1 + i).t.shape[0] for i in range(len(planes))]
-            n = rows[0] if form == "swiglu" else sum(rows[i] for i in range(0, len(planes), per))
+            x, *args = [ksel.arg_tensor(i) for i in range(len(tensors))]
+            if form.norm:
+                ksel.attr_float(len(tensors))
+            rows = [args[first_plane - 1 + i].t.shape[0] for i in range(len(planes))]
+            n = rows[0] if form.swiglu else sum(rows[i] for i in range(0, len(planes), per))
             ksel.return_new_tensor([x.t.shape[0], n], torch.float32)
 
-        def eager_execute(self, x, *planes_):
-            return _eager(kind, form, x, *planes_)
+        def eager_execute(self, x, *args):
+            return _eager(kind, form, x, *args)
 
         def generate(self, ksel: KernelSelection, kb: KernelBuilder):
             from iree.turbine.support.ir_imports import RankedTensorType
 
-            types = [RankedTensorType(value.type) for value in kb.arg_bindings]
+            types = [RankedTensorType(value.type) for value in kb.arg_bindings if value is not None]
             arg_types = [(t.rank, str(t.element_type)) for t in types]
-            call_mlir_function(kb, _function_name(kind, form), lambda: _module(kind, form, arg_types))
+            eps = float(ksel.arg_descs[len(tensors)].v) if form.norm else None
+            call_mlir_function(kb, f"{_stem(kind, form_name, eps)}_dispatch",
+                               lambda: _module(kind, form_name, arg_types, eps))
 
-    Op.__name__ = _c_name(kind, form)
+    Op.__name__ = _c_name(kind, form_name)
     return CustomOp.register(library=_LIBRARY)(Op)
 
 

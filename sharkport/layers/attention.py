@@ -10,7 +10,7 @@ import torch
 
 from .. import kernels
 from ..archive.tensors import Theta
-from ..ops import apply_rope, attention, causal_mask, length_mask, linear, linear3, rms_norm
+from ..ops import Normed, apply_rope, attention, causal_mask, length_mask, linear, linear3, rms_norm, value
 from .paged_cache import PagedCache
 
 
@@ -29,14 +29,15 @@ class AttentionConfig:
 class PagedAttention(torch.nn.Module):
     """Projects Q/K/V from `attn_q`, `attn_k`, `attn_v` (or one fused `attn_qkv`), applies rotary
     embedding (unless `rope` is None), stores K/V in the paged cache, attends, and projects back
-    through `attn_output`. Its K/V go to cache layer `layer` (an int, or a 0-d int64 tensor when
-    one traced block serves every layer)."""
+    through `attn_output`, adding the residual if one is given. Its K/V go to cache layer `layer`
+    (an int, or a 0-d int64 tensor when one traced block serves every layer). Its input x may be
+    ops.normed (the block's norm, computed by the q/k/v product where a kernel applies)."""
 
     def __init__(self, theta: Theta, config: AttentionConfig, cache: PagedCache, layer: int | torch.Tensor):
         super().__init__()
         self.theta, self.config, self.cache, self.layer = theta, config, cache, layer
 
-    def _project(self, x: torch.Tensor):
+    def _project(self, x: torch.Tensor | Normed):
         t, c = self.theta, self.config
         if "attn_qkv.weight" in t:  # GPT-2: one [q; k; v] projection
             qkv = linear(x, t["attn_qkv.weight"], t.get("attn_qkv.bias"))
@@ -44,9 +45,10 @@ class PagedAttention(torch.nn.Module):
         biases = [t.get(f"attn_{p}.bias") for p in "qkv"]
         if all(b is None for b in biases):
             return linear3(x, t["attn_q.weight"], t["attn_k.weight"], t["attn_v.weight"])
+        x = value(x)
         return tuple(linear(x, t[f"attn_{p}.weight"], b) for p, b in zip("qkv", biases))
 
-    def _qkv(self, x: torch.Tensor):
+    def _qkv(self, x: torch.Tensor | Normed):
         """q [B, S, H, D], k and v [B, S, Hkv, D] before rotary."""
         t, c = self.theta, self.config
         B, S, _ = x.shape
@@ -66,15 +68,15 @@ class PagedAttention(torch.nn.Module):
         layout = self.config.rope_layout
         return apply_rope(q, cos, sin, layout), apply_rope(k, cos, sin, layout)
 
-    def _attend(self, q, k, v, mask) -> torch.Tensor:
+    def _attend(self, q, k, v, mask, residual) -> torch.Tensor:
         c = self.config
-        return self._output(attention(q, k, v, mask, c.scale, c.logit_cap))
+        return self._output(attention(q, k, v, mask, c.scale, c.logit_cap), residual)
 
-    def _output(self, a: torch.Tensor) -> torch.Tensor:
-        return linear(a.flatten(2), self.theta["attn_output.weight"], self.theta.get("attn_output.bias"))
+    def _output(self, a: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        return linear(a.flatten(2), self.theta["attn_output.weight"], self.theta.get("attn_output.bias"), residual)
 
-    def prefill(self, x: torch.Tensor, rope, cache_state: torch.Tensor,
-                seq_block_ids: torch.Tensor) -> torch.Tensor:
+    def prefill(self, x: torch.Tensor | Normed, rope, cache_state: torch.Tensor, seq_block_ids: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, S, E] from position 0; attends causally to itself and fills the pages."""
         q, k, v = self._qkv(x)
         q, k = self._rotated(q, k, rope)
@@ -82,11 +84,12 @@ class PagedAttention(torch.nn.Module):
         c = self.config
         a = kernels.prefill_attention(q, k, v, c.scale, c.window, c.logit_cap)
         if a is not None:  # export --matvec-kernels: one kernel dispatch
-            return self._output(a)
-        return self._attend(q, k, v, causal_mask(x.shape[1], q.dtype, q.device, c.window))
+            return self._output(a, residual)
+        return self._attend(q, k, v, causal_mask(x.shape[1], q.dtype, q.device, c.window), residual)
 
-    def decode(self, x: torch.Tensor, rope, cache_state: torch.Tensor, seq_block_ids: torch.Tensor,
-               start_positions: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    def decode(self, x: torch.Tensor | Normed, rope, cache_state: torch.Tensor, seq_block_ids: torch.Tensor,
+               start_positions: torch.Tensor, seq_lens: torch.Tensor,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, 1, E] at start_positions; attends to the cached positions < seq_lens (and within
         the window)."""
         q, k, v = self._qkv(x)
@@ -94,9 +97,9 @@ class PagedAttention(torch.nn.Module):
         a = kernels.decode_attention(q, k, v, cache_state, self.cache, self.layer, seq_block_ids, start_positions,
                                      seq_lens, rope, c.rope_layout, c.scale, c.window, c.logit_cap)
         if a is not None:  # export --matvec-kernels: rotary, the cache write and attention in two kernel dispatches
-            return self._output(a)
+            return self._output(a, residual)
         q, k = self._rotated(q, k, rope)
         self.cache.write_positions(cache_state, self.layer, k, v, seq_block_ids, start_positions)
         k_all, v_all = self.cache.read(cache_state, self.layer, seq_block_ids, q.dtype)
         mask = length_mask(seq_lens, k_all.shape[1], q.dtype, self.config.window)
-        return self._attend(q, k_all, v_all, mask)
+        return self._attend(q, k_all, v_all, mask, residual)

@@ -6,24 +6,25 @@ import torch
 import torch.nn.functional as F
 
 from ..archive.tensors import Theta
-from ..ops import expert, gelu_tanh, linear, silu_gate
+from ..ops import Normed, expert, gelu_tanh, linear, silu_gate, value
 
 
 class SwiGLU(torch.nn.Module):
-    """down(act(gate(x)) * up(x)) over `ffn_gate`, `ffn_up`, `ffn_down`; act is SiLU (llama) or
-    tanh-GELU (Gemma's GeGLU)."""
+    """down(act(gate(x)) * up(x)) (+ residual) over `ffn_gate`, `ffn_up`, `ffn_down`; act is SiLU
+    (llama) or tanh-GELU (Gemma's GeGLU). x may be ops.normed."""
 
     def __init__(self, theta: Theta, activation=F.silu):
         super().__init__()
         self.theta, self.activation = theta, activation
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Normed, residual: torch.Tensor | None = None) -> torch.Tensor:
         t = self.theta
         if self.activation is F.silu:
             h = silu_gate(x, t["ffn_gate.weight"], t["ffn_up.weight"])
         else:
+            x = value(x)
             h = self.activation(linear(x, t["ffn_gate.weight"])) * linear(x, t["ffn_up.weight"])
-        return linear(h, t["ffn_down.weight"])
+        return linear(h, t["ffn_down.weight"], residual=residual)
 
 
 def GeGLU(theta: Theta) -> SwiGLU:
@@ -33,7 +34,7 @@ def GeGLU(theta: Theta) -> SwiGLU:
 class MixtureOfExperts(torch.nn.Module):
     """Mixtral's sparse MoE: the router `ffn_gate_inp` [X, E] scores X experts per token, the
     `used` best are kept with softmax weights renormalized over them, and the output is their
-    weighted sum of SwiGLU experts from the stacked `ffn_{gate,up,down}_exps` [X, ...].
+    weighted sum of SwiGLU experts from the stacked `ffn_{gate,up,down}_exps` [X, ...] (+ residual).
 
     Every expert runs on every token and unrouted ones get weight 0: a static graph that traces
     and compiles as is, at X/used times the work of a gather of routed experts."""
@@ -42,8 +43,8 @@ class MixtureOfExperts(torch.nn.Module):
         super().__init__()
         self.theta, self.experts, self.used = theta, experts, used
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t = self.theta
+    def forward(self, x: torch.Tensor | Normed, residual: torch.Tensor | None = None) -> torch.Tensor:
+        t, x = self.theta, value(x)
         probs = torch.softmax(linear(x, t["ffn_gate_inp.weight"]).to(torch.float32), dim=-1)  # [..., X]
         # The `used` best experts, found by rank (how many experts score higher) rather than by
         # topk + scatter, which iree-compile 3.9 crashes on.
@@ -55,7 +56,7 @@ class MixtureOfExperts(torch.nn.Module):
             gate = linear(x, expert(t["ffn_gate_exps.weight"], i))
             up = linear(x, expert(t["ffn_up_exps.weight"], i))
             out = out + weights[..., i:i + 1] * linear(F.silu(gate) * up, expert(t["ffn_down_exps.weight"], i))
-        return out
+        return out if residual is None else residual + out
 
 
 class GeluMLP(torch.nn.Module):

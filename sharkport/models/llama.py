@@ -16,7 +16,7 @@ import torch
 from ..archive import Dataset, Theta
 from ..formats.keys import LlamaHParams
 from ..layers import AttentionConfig, MixtureOfExperts, PagedAttention, PagedCache, SwiGLU
-from ..ops import add_rms_norm, embedding, linear, rms_norm, rope_angles
+from ..ops import embedding, linear, normed, rope_angles
 from .base import CausalLM, ModelConfig
 
 
@@ -44,24 +44,27 @@ class Llama(CausalLM):
         return rope_angles(positions, self.hp.rope_dim, self.hp.rope_freq_base)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        h = rms_norm(h, self.theta["output_norm.weight"], self.hp.rms_eps)
-        return linear(h, self.output).to(torch.float32)
+        return linear(normed(h, self.theta["output_norm.weight"], self.hp.rms_eps), self.output).to(torch.float32)
 
     def _block(self, t: Theta, layer, h: torch.Tensor, attend) -> torch.Tensor:
-        """One block over weights `t` (blk.{i}.*), its K/V in cache layer `layer` (see run_blocks)."""
+        """One block over weights `t` (blk.{i}.*), its K/V in cache layer `layer` (see run_blocks).
+        `attend(attention, x, residual)` runs the attention on x and adds the residual. The norms
+        go into the products after them and the residual adds into the products before them
+        (ops.normed, linear's residual): decode's matvec kernels take both, and a layer is six
+        dispatches."""
         hp = self.hp
         attention = PagedAttention(t, self.attention_config, self.cache, layer)
         ffn = MixtureOfExperts(t, hp.expert_count, hp.expert_used_count) if hp.expert_count else SwiGLU(t)
-        h, x = add_rms_norm(h, attend(attention, rms_norm(h, t["attn_norm.weight"], hp.rms_eps)),
-                            t["ffn_norm.weight"], hp.rms_eps)
-        return h + ffn(x)
+        h = attend(attention, normed(h, t["attn_norm.weight"], hp.rms_eps), h)
+        return ffn(normed(h, t["ffn_norm.weight"], hp.rms_eps), h)
 
     def _prefill_block(self, t, layer, h, cos, sin, seq_block_ids, cache_state):
-        return self._block(t, layer, h, lambda attn, x: attn.prefill(x, (cos, sin), cache_state, seq_block_ids))
+        return self._block(t, layer, h, lambda attn, x, residual: attn.prefill(
+            x, (cos, sin), cache_state, seq_block_ids, residual))
 
     def _decode_block(self, t, layer, h, cos, sin, seq_block_ids, start_positions, seq_lens, cache_state):
-        return self._block(t, layer, h, lambda attn, x: attn.decode(
-            x, (cos, sin), cache_state, seq_block_ids, start_positions, seq_lens))
+        return self._block(t, layer, h, lambda attn, x, residual: attn.decode(
+            x, (cos, sin), cache_state, seq_block_ids, start_positions, seq_lens, residual))
 
     def prefill(self, tokens, seq_lens, seq_block_ids, cache_state):
         B, S = tokens.shape

@@ -4,6 +4,7 @@ H heads, Hkv kv heads, D head dim, V vocab. They trace under torch.export as wri
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -21,36 +22,93 @@ def dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:
     return cast(w.dequant() if isinstance(w, QuantizedTensor) else w, dtype)
 
 
-def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] @ w[out, in].T → [..., out]. The one place that dispatches on weight type.
+@dataclass(frozen=True)
+class Normed:
+    """rms_norm(x, w, eps), not yet computed (see `normed`)."""
+
+    x: torch.Tensor
+    w: torch.Tensor
+    eps: float
+
+    @property
+    def shape(self):
+        return self.x.shape
+
+    def rows(self) -> torch.Tensor:
+        """x [..., K] as rows [M, K]."""
+        return self.x.reshape(-1, self.x.shape[-1])
+
+    def value(self) -> torch.Tensor:
+        return rms_norm(self.x, self.w, self.eps)
+
+
+def normed(x: torch.Tensor, w: torch.Tensor, eps: float) -> Normed:
+    """rms_norm(x, w, eps) as the input of `linear`, `linear3` or `silu_gate`: where a matvec
+    kernel applies (decode), the kernel normalizes x itself, and the norm takes no dispatch of
+    its own; elsewhere the product computes rms_norm first."""
+    return Normed(x, w, eps)
+
+
+def value(x: torch.Tensor | Normed) -> torch.Tensor:
+    """x, computing it if it is Normed (for layers that use an input more than once)."""
+    return x.value() if isinstance(x, Normed) else x
+
+
+def _kernel_input(x: torch.Tensor | Normed):
+    """(rows [M, K], norm) as the kernels take x: a Normed's source rows and (weight, eps)."""
+    if isinstance(x, Normed):
+        return x.rows(), (x.w, x.eps)
+    return x.reshape(-1, x.shape[-1]), None
+
+
+def linear(x: torch.Tensor | Normed, w: Weight, bias: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ w[out, in].T (+ bias) (+ residual [..., out]) → [..., out]. The one place that
+    dispatches on weight type.
 
     Leading dims are flattened so the product is a 2-D mm: traced as a 3-D matmul it becomes a
     batch matmul over a broadcast copy of the weight, 7x slower in IREE (64 tokens through
     SmolLM2's 49152x576 output: 11.8 s vs 1.7 s). While exporting with matvec kernels, products
-    over a few static rows (decode) read quantized and float16 weights as stored (sharkport.kernels)."""
+    over a few static rows (decode) read quantized and float16 weights as stored (sharkport.kernels),
+    normalizing a `normed` x and adding the residual in the same dispatch."""
+    if bias is None and (isinstance(x, Normed) or residual is not None):
+        rows, norm = _kernel_input(x)
+        y = kernels.matvec(rows, w, norm, None if residual is None else residual.reshape(rows.shape[0], -1))
+        if y is not None:
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+    x = value(x)
     rows = x.reshape(-1, x.shape[-1])
     y = kernels.matvec(rows, w)
     if y is None:
         y = torch.mm(rows, dense(w, x.dtype).transpose(0, 1))
     y = y.reshape(*x.shape[:-1], y.shape[-1])
-    return y if bias is None else y + cast(bias, x.dtype)
+    y = y if bias is None else y + cast(bias, x.dtype)
+    return y if residual is None else residual + y
 
 
-def linear3(x: torch.Tensor, w0: Weight, w1: Weight, w2: Weight) -> tuple[torch.Tensor, ...]:
+def linear3(x: torch.Tensor | Normed, w0: Weight, w1: Weight, w2: Weight) -> tuple[torch.Tensor, ...]:
     """(linear(x, w0), linear(x, w1), linear(x, w2)): three products of one x (attention's q, k,
     v), in one kernel dispatch where the matvec kernels apply (sharkport.kernels)."""
-    ys = kernels.matvec_qkv(x.reshape(-1, x.shape[-1]), w0, w1, w2)
+    rows, norm = _kernel_input(x)
+    ys = kernels.matvec_qkv(rows, w0, w1, w2, norm)
     if ys is None:
-        return linear(x, w0), linear(x, w1), linear(x, w2)
+        x = value(x)
+        ys = kernels.matvec_qkv(x.reshape(-1, x.shape[-1]), w0, w1, w2) if norm is not None else None
+        if ys is None:
+            return linear(x, w0), linear(x, w1), linear(x, w2)
     return tuple(y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys)
 
 
-def silu_gate(x: torch.Tensor, gate: Weight, up: Weight) -> torch.Tensor:
+def silu_gate(x: torch.Tensor | Normed, gate: Weight, up: Weight) -> torch.Tensor:
     """silu(linear(x, gate)) * linear(x, up) (llama's SwiGLU before its down projection), in one
     kernel dispatch where the matvec kernels apply (sharkport.kernels); over a traced dynamic
     number of rows (prefill), silu and the multiply are a dispatch region of their own (regions)."""
-    rows = x.reshape(-1, x.shape[-1])
-    y = kernels.swiglu(rows, gate, up)
+    rows, norm = _kernel_input(x)
+    y = kernels.swiglu(rows, gate, up, norm)
+    if y is None and norm is not None:
+        x = value(x)
+        rows = x.reshape(-1, x.shape[-1])
+        y = kernels.swiglu(rows, gate, up)
     if y is None:
         g, u = linear(rows, gate), linear(rows, up)
         if isinstance(rows.shape[0], torch.SymInt):
@@ -85,19 +143,6 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = cast(x, torch.float32)
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return cast(y * cast(w, torch.float32), x.dtype)
-
-
-def add_rms_norm(h: torch.Tensor, d: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h + d, rms_norm(h + d, w, eps)): a residual add and the norm after it, in one dispatch
-    region for decode's rows (see rms_norm)."""
-    rows = h.reshape(-1, h.shape[-1])
-    if kernels.decode_rows(rows) and d.dtype == w.dtype == torch.float32:
-        from .regions import add_rms_norm as region
-
-        s, y = region(rows, d.reshape(rows.shape), w, eps)
-        return s.view(h.shape), y.view(h.shape)
-    s = h + d
-    return s, rms_norm(s, w, eps)
 
 
 def layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) -> torch.Tensor:

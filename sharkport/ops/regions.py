@@ -7,10 +7,11 @@
   by 1 column with masked stores: 10% of SmolLM2's prefill of 128 tokens. In a region of its own
   it runs along rows, and the unpacks and the pack are dispatches of their own (5% together;
   prefill 1.075x).
-* `rms_norm(x, w, eps)` and `add_rms_norm(h, d, w, eps)` (the residual add and the norm after
-  it) over decode's few static rows: IREE makes a norm two dispatches (the sum of squares, then
-  the scaling) and a residual add used twice a third; one region each takes decode from 12 to 9
-  dispatches a layer (SmolLM2 Q4_1 bs1 and bs4 about 4% faster).
+* `rms_norm(x, w, eps)` over decode's few static rows: IREE makes a norm two dispatches (the sum
+  of squares, then the scaling); one region takes one (with a region for the residual add and
+  the norm after it, decode went from 12 to 9 dispatches a layer: SmolLM2 Q4_1 bs1 and bs4 about
+  4% faster). With the matvec kernels, the products after the norms normalize x themselves
+  (ops.normed), and decode's norms need no dispatch at all.
 
 docs/performance.md ("Where a prefill goes", "Where a decode step goes") has the measurements.
 """
@@ -88,31 +89,20 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(g) * u
 
 
-def _rms_norm_body(name: str, m: int, e: int, eps: float, add: bool) -> str:
-    """util.func `name`: (h, d,) w → (h + d,) rms_norm(h + d, w) for h, d [m, e], w [e], as torch's
-    decomposition computes it (x * rsqrt(sum(x * x) / e + eps) * w), in one dispatch region."""
+def _rms_norm_body(name: str, m: int, e: int, eps: float) -> str:
+    """util.func `name`: h [m, e], w [e] → rms_norm(h, w), as torch's decomposition computes it
+    (h * rsqrt(sum(h * h) / e + eps) * w), in one dispatch region."""
     t, row, vec = f"tensor<{m}x{e}xf32>", f"tensor<{m}xf32>", f"tensor<{e}xf32>"
     ij, i, j = "affine_map<(i, j) -> (i, j)>", "affine_map<(i, j) -> (i)>", "affine_map<(i, j) -> (j)>"
-    args = f"%h: {t}, %d: {t}, %w: {vec}" if add else f"%h: {t}, %w: {vec}"
-    results = f"{t}, {t}" if add else t
-    sum_ = f"""
-      %es = tensor.empty() : {t}
-      %x = linalg.generic {{indexing_maps = [{ij}, {ij}, {ij}], iterator_types = ["parallel", "parallel"]}}
-          ins(%h, %d : {t}, {t}) outs(%es : {t}) {{
-      ^bb0(%a: f32, %b: f32, %out: f32):
-        %s = arith.addf %a, %b : f32
-        linalg.yield %s : f32
-      }} -> {t}""" if add else ""
-    x = "%x" if add else "%h"
     return f"""
 module {{
-  util.func private @{name}({args}) -> ({results}) {{
-    %r:{2 if add else 1} = flow.dispatch.region -> ({results}) {{{sum_}
+  util.func private @{name}(%h: {t}, %w: {vec}) -> {t} {{
+    %r = flow.dispatch.region -> ({t}) {{
       %zero = arith.constant 0.0 : f32
       %er = tensor.empty() : {row}
       %z = linalg.fill ins(%zero : f32) outs(%er : {row}) -> {row}
       %ss = linalg.generic {{indexing_maps = [{ij}, {i}], iterator_types = ["parallel", "reduction"]}}
-          ins({x} : {t}) outs(%z : {row}) {{
+          ins(%h : {t}) outs(%z : {row}) {{
       ^bb0(%a: f32, %acc: f32):
         %sq = arith.mulf %a, %a : f32
         %s = arith.addf %sq, %acc : f32
@@ -120,7 +110,7 @@ module {{
       }} -> {row}
       %ey = tensor.empty() : {t}
       %y = linalg.generic {{indexing_maps = [{ij}, {i}, {j}, {ij}], iterator_types = ["parallel", "parallel"]}}
-          ins({x}, %ss, %w : {t}, {row}, {vec}) outs(%ey : {t}) {{
+          ins(%h, %ss, %w : {t}, {row}, {vec}) outs(%ey : {t}) {{
       ^bb0(%a: f32, %q: f32, %g: f32, %out: f32):
         %n = arith.constant {float(e):.1f} : f32
         %eps = arith.constant {eps:.9e} : f32
@@ -131,56 +121,38 @@ module {{
         %o = arith.mulf %xr, %g : f32
         linalg.yield %o : f32
       }} -> {t}
-      flow.return {"%x, %y" if add else "%y"} : {results}
+      flow.return %y : {t}
     }}
-    util.return {"%r#0, %r#1" if add else "%r#0"} : {results}
+    util.return %r : {t}
   }}
 }}"""
 
 
-def _register_norm(add: bool):
-    op = f"{'add_' if add else ''}rms_norm"
-    tensors = 3 if add else 2  # (h, d,) w; then eps
-    results = 2 if add else 1  # (h + d,) the norm
+class _RmsNorm(CustomOp):
+    signature = "rms_norm(Tensor h, Tensor w, float eps) -> (Tensor)"
 
-    class Op(CustomOp):
-        signature = (f"{op}({'Tensor h, Tensor d' if add else 'Tensor h'}, Tensor w, float eps) "
-                     f"-> ({', '.join(['Tensor'] * results)})")
+    def select(self, ksel: KernelSelection):
+        h, w = ksel.arg_tensor(0), ksel.arg_tensor(1)
+        h.specialize_all_dims()
+        w.specialize_all_dims()
+        ksel.attr_float(2)
+        ksel.return_new_tensor(list(h.t.shape), torch.float32)
 
-        def select(self, ksel: KernelSelection):
-            args = [ksel.arg_tensor(i) for i in range(tensors)]
-            for a in args:
-                a.specialize_all_dims()
-            ksel.attr_float(tensors)
-            for _ in range(results):
-                ksel.return_new_tensor(list(args[0].t.shape), torch.float32)
+    def eager_execute(self, h, w, eps):
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w
 
-        def eager_execute(self, *args):
-            *ts, w, eps = args
-            x = ts[0] + ts[1] if add else ts[0]
-            y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-            return (x, y) if add else y
+    def generate(self, ksel: KernelSelection, kb: KernelBuilder):
+        from iree.turbine.support.ir_imports import RankedTensorType
 
-        def generate(self, ksel: KernelSelection, kb: KernelBuilder):
-            from iree.turbine.support.ir_imports import RankedTensorType
-
-            m, e = RankedTensorType(kb.arg_bindings[0].type).shape
-            eps = ksel.arg_descs[tensors].v
-            name = f"sharkport_{op}_{m}x{e}_{eps!r}".replace(".", "p").replace("-", "m")
-            call_mlir_function(kb, name, lambda: _rms_norm_body(name, m, e, eps, add))
-
-    Op.__name__ = op
-    return CustomOp.register(library=_LIBRARY)(Op)
+        m, e = RankedTensorType(kb.arg_bindings[0].type).shape
+        eps = ksel.arg_descs[2].v
+        name = f"sharkport_rms_norm_{m}x{e}_{eps!r}".replace(".", "p").replace("-", "m")
+        call_mlir_function(kb, name, lambda: _rms_norm_body(name, m, e, eps))
 
 
-_RMS_NORM, _ADD_RMS_NORM = _register_norm(False), _register_norm(True)
+_RMS_NORM = CustomOp.register(library=_LIBRARY)(_RmsNorm)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """rms_norm of x [M, E] float32 by w [E] float32 in one dispatch region."""
     return _RMS_NORM(x, w, float(eps))
-
-
-def add_rms_norm(h: torch.Tensor, d: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h + d, rms_norm(h + d) by w) for h, d [M, E], w [E] float32 in one dispatch region."""
-    return _ADD_RMS_NORM(h, d, w, float(eps))
