@@ -675,8 +675,8 @@ static void rms_norm_rows(const float *x, const float *g, float eps, size_t M, s
       __m256 v = _mm256_loadu_ps(x + k);
       sq[0] = _mm256_fmadd_ps(v, v, sq[0]);
     }
-    float squares = hsum(_mm256_add_ps(_mm256_add_ps(sq[0], sq[1]), _mm256_add_ps(sq[2], sq[3])));
-    __m256 r = _mm256_set1_ps(_mm_cvtss_f32(_mm_div_ss(_mm_set_ss(1.0f), _mm_sqrt_ss(_mm_set_ss(squares / (float)K + eps)))));
+    float mean = hsum(_mm256_add_ps(_mm256_add_ps(sq[0], sq[1]), _mm256_add_ps(sq[2], sq[3]))) / (float)K;
+    __m256 r = _mm256_set1_ps(_mm_cvtss_f32(_mm_div_ss(_mm_set_ss(1.0f), _mm_sqrt_ss(_mm_set_ss(mean + eps)))));
     for (k = 0; k < K; k += 8)
       _mm256_storeu_ps(xn + k, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + k), r), _mm256_loadu_ps(g + k)));
   }

@@ -10,7 +10,7 @@ import torch
 
 from .. import kernels
 from ..archive.tensors import Theta
-from ..ops import Normed, apply_rope, attention, causal_mask, length_mask, linear, linear3, rms_norm, value
+from ..ops import Normed, apply_rope, attention, causal_mask, length_mask, linear, linear3, materialized, rms_norm
 from .paged_cache import PagedCache
 
 
@@ -45,7 +45,7 @@ class PagedAttention(torch.nn.Module):
         biases = [t.get(f"attn_{p}.bias") for p in "qkv"]
         if all(b is None for b in biases):
             return linear3(x, t["attn_q.weight"], t["attn_k.weight"], t["attn_v.weight"])
-        x = value(x)
+        x = materialized(x)
         return tuple(linear(x, t[f"attn_{p}.weight"], b) for p, b in zip("qkv", biases))
 
     def _qkv(self, x: torch.Tensor | Normed):

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ..archive.tensors import Theta
-from ..ops import Normed, expert, gelu_tanh, linear, silu_gate, value
+from ..ops import Normed, expert, gelu_tanh, linear, materialized, silu_gate
 
 
 class SwiGLU(torch.nn.Module):
@@ -22,7 +22,7 @@ class SwiGLU(torch.nn.Module):
         if self.activation is F.silu:
             h = silu_gate(x, t["ffn_gate.weight"], t["ffn_up.weight"])
         else:
-            x = value(x)
+            x = materialized(x)
             h = self.activation(linear(x, t["ffn_gate.weight"])) * linear(x, t["ffn_up.weight"])
         return linear(h, t["ffn_down.weight"], residual=residual)
 
@@ -44,7 +44,7 @@ class MixtureOfExperts(torch.nn.Module):
         self.theta, self.experts, self.used = theta, experts, used
 
     def forward(self, x: torch.Tensor | Normed, residual: torch.Tensor | None = None) -> torch.Tensor:
-        t, x = self.theta, value(x)
+        t, x = self.theta, materialized(x)
         probs = torch.softmax(linear(x, t["ffn_gate_inp.weight"]).to(torch.float32), dim=-1)  # [..., X]
         # The `used` best experts, found by rank (how many experts score higher) rather than by
         # topk + scatter, which iree-compile 3.9 crashes on.

@@ -49,8 +49,8 @@ def normed(x: torch.Tensor, w: torch.Tensor, eps: float) -> Normed:
     return Normed(x, w, eps)
 
 
-def value(x: torch.Tensor | Normed) -> torch.Tensor:
-    """x, computing it if it is Normed (for layers that use an input more than once)."""
+def materialized(x: torch.Tensor | Normed) -> torch.Tensor:
+    """x as a tensor: a Normed one computed (for layers that use their input more than once)."""
     return x.value() if isinstance(x, Normed) else x
 
 
@@ -76,7 +76,7 @@ def linear(x: torch.Tensor | Normed, w: Weight, bias: torch.Tensor | None = None
         y = kernels.matvec(rows, w, norm, None if residual is None else residual.reshape(rows.shape[0], -1))
         if y is not None:
             return y.reshape(*x.shape[:-1], y.shape[-1])
-    x = value(x)
+    x = materialized(x)
     rows = x.reshape(-1, x.shape[-1])
     y = kernels.matvec(rows, w)
     if y is None:
@@ -92,7 +92,7 @@ def linear3(x: torch.Tensor | Normed, w0: Weight, w1: Weight, w2: Weight) -> tup
     rows, norm = _kernel_input(x)
     ys = kernels.matvec_qkv(rows, w0, w1, w2, norm)
     if ys is None:
-        x = value(x)
+        x = materialized(x)
         ys = kernels.matvec_qkv(x.reshape(-1, x.shape[-1]), w0, w1, w2) if norm is not None else None
         if ys is None:
             return linear(x, w0), linear(x, w1), linear(x, w2)
@@ -106,7 +106,7 @@ def silu_gate(x: torch.Tensor | Normed, gate: Weight, up: Weight) -> torch.Tenso
     rows, norm = _kernel_input(x)
     y = kernels.swiglu(rows, gate, up, norm)
     if y is None and norm is not None:
-        x = value(x)
+        x = materialized(x)
         rows = x.reshape(-1, x.shape[-1])
         y = kernels.swiglu(rows, gate, up)
     if y is None:
