@@ -34,10 +34,6 @@ class Normed:
     def shape(self):
         return self.x.shape
 
-    def rows(self) -> torch.Tensor:
-        """x [..., K] as rows [M, K]."""
-        return self.x.reshape(-1, self.x.shape[-1])
-
     def value(self) -> torch.Tensor:
         return rms_norm(self.x, self.w, self.eps)
 
@@ -54,11 +50,16 @@ def materialized(x: torch.Tensor | Normed) -> torch.Tensor:
     return x.value() if isinstance(x, Normed) else x
 
 
-def _kernel_input(x: torch.Tensor | Normed):
-    """(rows [M, K], norm) as the kernels take x: a Normed's source rows and (weight, eps)."""
+def _by_kernel(product, x: torch.Tensor | Normed):
+    """(product(rows, norm), x): a kernel's product of x's rows [M, K] (see kernels.matvec: None
+    where no kernel applies), a Normed x's norm (weight, eps) inside it where the kernel takes it,
+    else computed first, and then x is returned computed."""
     if isinstance(x, Normed):
-        return x.rows(), (x.w, x.eps)
-    return x.reshape(-1, x.shape[-1]), None
+        y = product(x.x.reshape(-1, x.shape[-1]), (x.w, x.eps))
+        if y is not None:
+            return y, x
+        x = x.value()
+    return product(x.reshape(-1, x.shape[-1]), None), x
 
 
 def linear(x: torch.Tensor | Normed, w: Weight, bias: torch.Tensor | None = None,
@@ -70,32 +71,24 @@ def linear(x: torch.Tensor | Normed, w: Weight, bias: torch.Tensor | None = None
     batch matmul over a broadcast copy of the weight, 7x slower in IREE (64 tokens through
     SmolLM2's 49152x576 output: 11.8 s vs 1.7 s). While exporting with matvec kernels, products
     over a few static rows (decode) read quantized and float16 weights as stored (sharkport.kernels),
-    normalizing a `normed` x and adding the residual in the same dispatch."""
-    if bias is None and (isinstance(x, Normed) or residual is not None):
-        rows, norm = _kernel_input(x)
-        y = kernels.matvec(rows, w, norm, None if residual is None else residual.reshape(rows.shape[0], -1))
-        if y is not None:
-            return y.reshape(*x.shape[:-1], y.shape[-1])
-    x = materialized(x)
-    rows = x.reshape(-1, x.shape[-1])
-    y = kernels.matvec(rows, w)
+    normalizing a `normed` x and adding the residual (where no bias comes between) in the same
+    dispatch."""
+    added = residual if bias is None else None  # by the kernel
+    y, x = _by_kernel(lambda rows, norm: kernels.matvec(
+        rows, w, norm, None if added is None else added.reshape(rows.shape[0], -1)), x)
     if y is None:
-        y = torch.mm(rows, dense(w, x.dtype).transpose(0, 1))
+        y, added = torch.mm(x.reshape(-1, x.shape[-1]), dense(w, x.dtype).transpose(0, 1)), None
     y = y.reshape(*x.shape[:-1], y.shape[-1])
-    y = y if bias is None else y + cast(bias, x.dtype)
-    return y if residual is None else residual + y
+    y = y if bias is None else y + cast(bias, y.dtype)
+    return y if residual is None or added is not None else residual + y
 
 
 def linear3(x: torch.Tensor | Normed, w0: Weight, w1: Weight, w2: Weight) -> tuple[torch.Tensor, ...]:
     """(linear(x, w0), linear(x, w1), linear(x, w2)): three products of one x (attention's q, k,
     v), in one kernel dispatch where the matvec kernels apply (sharkport.kernels)."""
-    rows, norm = _kernel_input(x)
-    ys = kernels.matvec_qkv(rows, w0, w1, w2, norm)
+    ys, x = _by_kernel(lambda rows, norm: kernels.matvec_qkv(rows, w0, w1, w2, norm), x)
     if ys is None:
-        x = materialized(x)
-        ys = kernels.matvec_qkv(x.reshape(-1, x.shape[-1]), w0, w1, w2) if norm is not None else None
-        if ys is None:
-            return linear(x, w0), linear(x, w1), linear(x, w2)
+        return linear(x, w0), linear(x, w1), linear(x, w2)
     return tuple(y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys)
 
 
@@ -103,13 +96,9 @@ def silu_gate(x: torch.Tensor | Normed, gate: Weight, up: Weight) -> torch.Tenso
     """silu(linear(x, gate)) * linear(x, up) (llama's SwiGLU before its down projection), in one
     kernel dispatch where the matvec kernels apply (sharkport.kernels); over a traced dynamic
     number of rows (prefill), silu and the multiply are a dispatch region of their own (regions)."""
-    rows, norm = _kernel_input(x)
-    y = kernels.swiglu(rows, gate, up, norm)
-    if y is None and norm is not None:
-        x = materialized(x)
-        rows = x.reshape(-1, x.shape[-1])
-        y = kernels.swiglu(rows, gate, up)
+    y, x = _by_kernel(lambda rows, norm: kernels.swiglu(rows, gate, up, norm), x)
     if y is None:
+        rows = x.reshape(-1, x.shape[-1])
         g, u = linear(rows, gate), linear(rows, up)
         if isinstance(rows.shape[0], torch.SymInt):
             from .regions import silu_mul  # loads turbine: only while tracing
