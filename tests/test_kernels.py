@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -460,7 +461,7 @@ def kernel_module(quantized_tiny, tmp_path_factory):
             save_export(output, service, out / "m.mlir", out / "m.json")
             mlir = (out / "m.mlir").read_text()
             cache = "_f16(" if cache_dtype == torch.float16 else "("
-            for kernel in (f"sharkport_decode_kv_write{cache}", f"sharkport_decode_attention{cache}",
+            for kernel in (f"sharkport_decode_attention{cache}",
                            f"sharkport_matvec_qkv_norm_{type_name}", f"sharkport_matvec_swiglu_norm_{type_name}",
                            f"sharkport_matvec_add_{type_name}", f"sharkport_matvec_norm_{type_name}",
                            "sharkport_prefill_attention("):
@@ -547,6 +548,18 @@ def test_batch1_decode_copies_no_index_arguments(kernel_module):
     decode = _decode_bs1_commands(kernel_module("q8_0")[0].with_suffix(".mlir"))
     assert "@hal.command_buffer.copy_buffer" not in decode, \
         f"{decode.count('@hal.command_buffer.copy_buffer')} copy commands in decode_bs1"
+
+
+def test_a_decode_layer_is_five_dispatches(kernel_module):
+    """Through the kernels a llama layer's decode step is five dispatches: q/k/v with the attention
+    norm, attention with rotary and the cache write, the output product with the residual, SwiGLU
+    with the FFN norm, the down product with the residual. iree-compile's command buffer of
+    decode_bs1 for the tiny llama (2 layers) holds them and the step's own 7 (the clamped page ids,
+    positions and lengths of kernels.decode_indices, the rotary angles, the embedding, the final
+    norm with the logits' product); the cache write was a sixth a layer before."""
+    decode = _decode_bs1_commands(kernel_module("q8_0")[0].with_suffix(".mlir"))
+    ordinals = re.findall(r"@hal\.command_buffer\.dispatch\(%\w+, %\w+, %(\w+),", decode)
+    assert len(ordinals) == 2 * 5 + 7, f"decode_bs1 dispatches executables {ordinals}"
 
 
 def test_q4_rows_are_interleaved_once_as_the_module_loads(kernel_module, quantized_tiny, monkeypatch, tmp_path):

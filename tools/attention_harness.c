@@ -1,14 +1,15 @@
-// Times sharkport/kernels/matvec.c's decode attention outside IREE: SmolLM2-135M's shapes (9
-// query heads, 3 kv heads, head_dim 64, 30 layers, 32 positions a page), B sequences of LEN
-// positions each, every layer of a step in turn (a barrier after each, as IREE's dispatches), its
-// workgroups (a sequence and as many of its kv heads as the exporter gives one for THREADS CPUs:
-// kernels.kv_heads_per_workgroup) shared round robin among THREADS threads. CACHES distinct caches are used in turn
-// (1: small ones stay in the caches; 4 at 480 positions, 88 MB: read from memory, as in decode,
-// where a step's weights evict the cache between layers); `f16` at the end: a float16 cache
+// Times sharkport/kernels/matvec.c's decode attention (with its write of the new position) outside
+// IREE: SmolLM2-135M's shapes (9 query heads, 3 kv heads, head_dim 64, 30 layers, 32 positions a
+// page), B sequences of LEN positions each (the last one written anew), every layer of a step in
+// turn (a barrier after each, as IREE's dispatches), its workgroups (a sequence and as many of its
+// kv heads as the exporter gives one for THREADS CPUs: kernels.kv_heads_per_workgroup) shared
+// round robin among THREADS threads. CACHES distinct caches are used in turn (1: small ones stay
+// in the caches; 4 at 480 positions, 88 MB: read from memory, as in decode, where a step's weights
+// evict the cache between layers); `f16` at the end: a float16 cache
 // (sharkport_decode_attention_f16). Prints the best of 5 trials.
 //
 //   cc -O3 -mavx2 -mfma -mf16c -ffreestanding -fPIC -std=c11 -DMAX_BLOCKS=512 -DXQ_BYTES=16384
-//      -DMAX_GD=2048 -DMAX_STRIDE=256 -c sharkport/kernels/matvec.c -o /tmp/matvec.o   (one line)
+//      -DXN_FLOATS=8192 -DMAX_GD=2048 -DMAX_STRIDE=256 -c sharkport/kernels/matvec.c -o /tmp/matvec.o   (one line)
 //   cc -O2 -mf16c tools/attention_harness.c /tmp/matvec.o -o /tmp/attention_harness -lpthread
 //   /tmp/attention_harness B LEN CACHES THREADS REPS [f16]        (e.g. 1 480 4 2 3)
 #include <pthread.h>
@@ -22,23 +23,20 @@
 // A memref argument: (base, aligned, offset, size, stride).
 #define MEMREF(T) T *, T *, size_t, size_t, size_t
 #define ARG(p) (p), (p), (size_t)0, (size_t)1, (size_t)1
-void sharkport_decode_attention(MEMREF(const float), MEMREF(const float), MEMREF(const int64_t),
-                                MEMREF(const int64_t), MEMREF(const int64_t), MEMREF(const float),
-                                MEMREF(const float), MEMREF(float), size_t blocks, size_t H, size_t Hkv, size_t D,
-                                size_t L, size_t stride, size_t R, size_t interleaved, size_t hpw, float scale,
-                                size_t wg);
-void sharkport_decode_attention_f16(MEMREF(const float), MEMREF(const uint16_t), MEMREF(const int64_t),
-                                    MEMREF(const int64_t), MEMREF(const int64_t), MEMREF(const float),
-                                    MEMREF(const float), MEMREF(float), size_t blocks, size_t H, size_t Hkv, size_t D,
-                                    size_t L, size_t stride, size_t R, size_t interleaved, size_t hpw, float scale,
-                                    size_t wg);
+#define ATTENTION_ARGS(T)                                                                                   \
+  MEMREF(const float), MEMREF(const float), MEMREF(const float), MEMREF(T), MEMREF(const int64_t),          \
+      MEMREF(const int64_t), MEMREF(const int64_t), MEMREF(const int64_t), MEMREF(const float),             \
+      MEMREF(const float), MEMREF(float), size_t blocks, size_t H, size_t Hkv, size_t D, size_t L,          \
+      size_t stride, size_t R, size_t interleaved, size_t hpw, float scale, size_t wg
+void sharkport_decode_attention(ATTENTION_ARGS(float));
+void sharkport_decode_attention_f16(ATTENTION_ARGS(uint16_t));
 
 enum { H = 9, HKV = 3, D = 64, L = 30, STRIDE = 32 };
 static int F16;
 static size_t B, LEN, CACHES, THREADS, REPS, BLOCKS, HPW;
 static void **caches;
-static float *q, *out, *rcos, *rsin;
-static int64_t *pages, *lens;
+static float *q, *knew, *vnew, *out, *rcos, *rsin;
+static int64_t *pages, *starts, *lens;
 static pthread_barrier_t barrier;
 
 static void *worker(void *arg) {
@@ -49,13 +47,13 @@ static void *worker(void *arg) {
         int64_t layer[2] = {(int64_t)l, L};
         for (size_t wg = t; wg < B * (HKV / HPW); wg += THREADS)
           if (F16)
-            sharkport_decode_attention_f16(ARG(q), ARG((uint16_t *)caches[c]), ARG(pages), ARG(lens), ARG(layer),
-                                           ARG(rcos), ARG(rsin), ARG(out), BLOCKS, H, HKV, D, L, STRIDE, D, 1, HPW,
-                                           0.125f, wg);
+            sharkport_decode_attention_f16(ARG(q), ARG(knew), ARG(vnew), ARG((uint16_t *)caches[c]), ARG(pages),
+                                           ARG(starts), ARG(lens), ARG(layer), ARG(rcos), ARG(rsin), ARG(out), BLOCKS,
+                                           H, HKV, D, L, STRIDE, D, 1, HPW, 0.125f, wg);
           else
-            sharkport_decode_attention(ARG(q), ARG((float *)caches[c]), ARG(pages), ARG(lens), ARG(layer),
-                                       ARG(rcos), ARG(rsin), ARG(out), BLOCKS, H, HKV, D, L, STRIDE, D, 1, HPW,
-                                       0.125f, wg);
+            sharkport_decode_attention(ARG(q), ARG(knew), ARG(vnew), ARG((float *)caches[c]), ARG(pages),
+                                       ARG(starts), ARG(lens), ARG(layer), ARG(rcos), ARG(rsin), ARG(out), BLOCKS, H,
+                                       HKV, D, L, STRIDE, D, 1, HPW, 0.125f, wg);
         pthread_barrier_wait(&barrier);
       }
   return 0;
@@ -93,10 +91,12 @@ int main(int argc, char **argv) {
         ((float *)caches[c])[i] = x;
     }
   }
-  pages = malloc(page_count * sizeof *pages), lens = malloc(B * sizeof *lens);
+  pages = malloc(page_count * sizeof *pages), starts = malloc(B * sizeof *starts), lens = malloc(B * sizeof *lens);
   for (size_t i = 0; i < page_count; ++i) pages[i] = (int64_t)i;
-  for (size_t b = 0; b < B; ++b) lens[b] = (int64_t)LEN;
+  for (size_t b = 0; b < B; ++b) starts[b] = (int64_t)LEN - 1, lens[b] = (int64_t)LEN;
   q = malloc(B * H * D * sizeof(float)), out = malloc(B * H * D * sizeof(float));
+  knew = malloc(B * HKV * D * sizeof(float)), vnew = malloc(B * HKV * D * sizeof(float));
+  for (size_t i = 0; i < B * HKV * D; ++i) knew[i] = (float)(i % 5) / 5 - 0.4f, vnew[i] = (float)(i % 3) / 3 - 0.3f;
   rcos = malloc(B * D / 2 * sizeof(float)), rsin = malloc(B * D / 2 * sizeof(float));
   for (size_t i = 0; i < B * H * D; ++i) q[i] = (float)(i % 7) / 7 - 0.3f;
   for (size_t i = 0; i < B * D / 2; ++i) rcos[i] = 0.8f, rsin[i] = 0.6f;

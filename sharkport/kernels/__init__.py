@@ -213,7 +213,7 @@ def swiglu(x, gate, up, norm=None):
 def decode_attention(q, k, v, cache_state, cache, layer, page_ids, start_positions, seq_lens, rope=None,
                      rope_layout: str = "interleaved", scale: float | None = None, window: int = 0,
                      logit_cap: float = 0.0):
-    """Decode attention in two kernel dispatches: rotates q [B, 1, H, D] and k [B, 1, Hkv, D] by
+    """Decode attention in one kernel dispatch: rotates q [B, 1, H, D] and k [B, 1, Hkv, D] by
     `rope` (cos, sin [B, 1, R/2], or None) in `rope_layout` (as ops.apply_rope), writes k and v
     at start_positions into cache_state (as `cache`, a layers.PagedCache, lays it out; in place;
     a float16 cache stores them rounded to nearest, as `.half()`), and attends to the positions
@@ -229,11 +229,11 @@ def decode_attention(q, k, v, cache_state, cache, layer, page_ids, start_positio
             and element and not window and not logit_cap
             and D % 8 == 0 and G * D <= MAX_GD and cache.stride <= MAX_STRIDE and rope_dim <= D):
         return None
-    from .ops import AttentionShape, attention_op, kv_write_op
+    from .ops import AttentionShape, attention_op
 
     shape = AttentionShape(H, cache.kv_heads, D, cache.block_count, cache.stride,
-                           D ** -0.5 if scale is None else float(scale), rope_dim, rope_layout, element)
-    walk = dataclasses.replace(shape, kv_heads_per_workgroup=kv_heads_per_workgroup(B, cache.kv_heads, G * D))
+                           D ** -0.5 if scale is None else float(scale), rope_dim, rope_layout, element,
+                           kv_heads_per_workgroup(B, cache.kv_heads, G * D))
     cos, sin = (t.reshape(B, -1) for t in rope) if rope is not None else (q.reshape(B, -1),) * 2  # unread
     # The layer as a tensor operand (one traced block may serve every layer). A constant layer is
     # given with the layer count after it: IREE fills a one-value constant by a dispatch on every
@@ -242,8 +242,8 @@ def decode_attention(q, k, v, cache_state, cache, layer, page_ids, start_positio
         layer = torch.stack([layer.reshape(()), torch.tensor(cache.block_count)])
     else:
         layer = torch.tensor([layer, cache.block_count])
-    kv_write_op(shape)(k.reshape(B, -1), v.reshape(B, -1), cache_state, page_ids, start_positions, layer, cos, sin)
-    out = attention_op(walk)(q.reshape(B, H * D), cache_state, page_ids, seq_lens, layer, cos, sin)
+    out = attention_op(shape)(q.reshape(B, H * D), k.reshape(B, -1), v.reshape(B, -1), cache_state, page_ids,
+                              start_positions, seq_lens, layer, cos, sin)
     return out.view(B, 1, H, D)
 
 

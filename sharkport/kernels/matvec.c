@@ -799,18 +799,14 @@ DEFINE_KERNELS(F16, f16)
 
 // ---- Decode attention over the paged KV cache ----
 //
-// One new position per sequence: sharkport_decode_kv_write rotates its k and writes k and v
-// into the cache (in place), then sharkport_decode_attention attends with its rotated query to
-// the positions [0, len) of its pages. Two dispatches, so that each has one result: the write's
-// is the cache, tied to its operand; the attention's a new tensor.
-// The cache is sharkport.layers.PagedCache's flat [pages, L, 2 (K, V), stride, Hkv, D], of float32
-// (sharkport_decode_*) or float16 (sharkport_decode_*_f16: half the bytes to read; written rounded
-// to nearest even as torch's .half(), read exactly).
-// The write's workgroups take one (sequence, kv head) each: its slot of the new position. The
-// attention's take a sequence and one or more of its kv heads (all of them when there are enough
-// sequences for the CPUs), each with its G query heads, so that K and V are read once, walking
-// the sequence a page at a time with a running softmax (scores of a page, their max, the earlier
-// sums rescaled), in float32 throughout. The functions below take `f16` (whether the cache is
+// One new position per sequence: sharkport_decode_attention rotates its k and writes k and v
+// into the cache (in place), then attends with its rotated query to the positions [0, len) of its
+// pages, in one dispatch (the write was a dispatch of its own before: 187 -> 157 a SmolLM2 step).
+// Its workgroups take a sequence and one or more of its kv heads (all of them when there are
+// enough sequences for the CPUs), each with its G query heads, so that K and V are read once; a
+// workgroup writes the new slots of its kv heads before it reads them, and no other workgroup
+// touches them. It walks the sequence a page at a time with a running softmax (scores of a page,
+// their max, the earlier sums rescaled), in float32 throughout. The functions below take `f16` (whether the cache is
 // float16) as a constant: each exported function inlines them for its element type.
 
 // Eight cache values from element i of base, as float32.
@@ -830,15 +826,14 @@ INLINE void rope(float *out, const float *x, const float *c, const float *s, siz
   }
 }
 
-// k and v [B, Hkv D] of the new positions (k before rotary) into their pages' slots of cache;
-// pages [B, blocks]; starts [B] (the new positions); layer [2]: the cache layer, then the layer
-// count; rcos and rsin [B, R / 2] (unread when R is 0).
+// Sequence b's k and v [B, Hkv D] of kv head g at the new position (k before rotary) into its
+// page's slot of cache; pages [B, blocks]; starts [B] (the new positions); layer [2]: the cache
+// layer, then the layer count; rcos and rsin [B, R / 2] (unread when R is 0).
 INLINE void kv_write(const int f16, const float *knew, const float *vnew, void *cache, const int64_t *pages,
                      const int64_t *starts, const int64_t *layer, const float *rcos, const float *rsin,
                      size_t blocks, size_t Hkv, size_t D, size_t L, size_t stride, size_t R, size_t interleaved,
-                     size_t wg) {
-  size_t b = wg / Hkv, g = wg % Hkv, pos = (size_t)starts[b], l = (size_t)layer[0];
-  if (R > D || D > MAX_GD) return;  // never traced: kernels routes only these
+                     size_t b, size_t g) {
+  size_t pos = (size_t)starts[b], l = (size_t)layer[0];
   size_t slot_elems = Hkv * D, kv_elems = stride * slot_elems;
   size_t page = (size_t)pages[b * blocks + pos / stride];
   size_t at = (page * L + l) * 2 * kv_elems + (pos % stride) * slot_elems + g * D;  // k's first element
@@ -855,17 +850,6 @@ INLINE void kv_write(const int f16, const float *knew, const float *vnew, void *
     }
   }
 }
-
-#define KV_WRITE_ARGS(T)                                                                                     \
-  MEMREF(const float, knew), MEMREF(const float, vnew), MEMREF(T, cache), MEMREF(const int64_t, pages),      \
-      MEMREF(const int64_t, starts), MEMREF(const int64_t, layer), MEMREF(const float, rcos),                \
-      MEMREF(const float, rsin), size_t blocks, size_t Hkv, size_t D, size_t L, size_t stride, size_t R,     \
-      size_t interleaved, size_t wg
-#define KV_WRITE(f16)                                                                                        \
-  kv_write(f16, BASE(knew), BASE(vnew), BASE(cache), BASE(pages), BASE(starts), BASE(layer), BASE(rcos),     \
-           BASE(rsin), blocks, Hkv, D, L, stride, R, interleaved, wg)
-void sharkport_decode_kv_write(KV_WRITE_ARGS(float)) { KV_WRITE(0); }
-void sharkport_decode_kv_write_f16(KV_WRITE_ARGS(uint16_t)) { KV_WRITE(1); }
 
 // Scores of one page's positions [0, n) for query head qh [D]: p[j] = scale * (qh . k[j]), k[j]
 // at k + j * slot. Eight positions at a time in eight independent multiply-add chains, whose sums
@@ -973,20 +957,23 @@ INLINE float page_softmax(float *p, size_t n, float *run_max, float *run_sum) {
   return rescale;
 }
 
-// q [B, H D] (before rotary) attends to positions [0, len) of the cache; pages [B, blocks];
-// layer, rcos and rsin as above; out [B, H D]. Workgroup wg takes one sequence and `hpw` of its
-// kv heads (kernels.ops.AttentionShape.kv_heads_per_workgroup): with all of them, it reads each
-// page's K and V whole, in address order, once; with fewer, more workgroups share the sequence.
-// It walks the pages once, each page's kv heads and their query heads in turn. MAX_GD (query heads
-// per workgroup times head_dim) and MAX_STRIDE come from CFLAGS.
-INLINE void attention(const int f16, const float *q, const void *cache, const int64_t *pages, const int64_t *lens,
-                      const int64_t *layer, const float *rcos, const float *rsin, float *out, size_t blocks, size_t H,
-                      size_t Hkv, size_t D, size_t L, size_t stride, size_t R, size_t interleaved, size_t hpw,
-                      float scale, size_t wg) {
+// Workgroup wg takes one sequence b and `hpw` of its kv heads from g0
+// (kernels.ops.AttentionShape.kv_heads_per_workgroup): it writes their new k and v (kv_write), then
+// q [B, H D] (before rotary) of their query heads attends to positions [0, lens[b]) of the cache;
+// pages, layer, rcos and rsin as kv_write's; out [B, H D]. With all the kv heads, a workgroup reads
+// each page's K and V whole, in address order, once; with fewer, more workgroups share the
+// sequence. It walks the pages once, each page's kv heads and their query heads in turn. MAX_GD
+// (query heads per workgroup times head_dim) and MAX_STRIDE come from CFLAGS.
+INLINE void attention(const int f16, const float *q, const float *knew, const float *vnew, void *cache,
+                      const int64_t *pages, const int64_t *starts, const int64_t *lens, const int64_t *layer,
+                      const float *rcos, const float *rsin, float *out, size_t blocks, size_t H, size_t Hkv, size_t D,
+                      size_t L, size_t stride, size_t R, size_t interleaved, size_t hpw, float scale, size_t wg) {
   size_t G = H / Hkv, heads = hpw * G;  // query heads a kv head, a workgroup
   if (!hpw || Hkv % hpw || heads * D > MAX_GD || stride > MAX_STRIDE || D % 8 || R > D)
     return;  // never traced: kernels routes only these
   size_t b = wg / (Hkv / hpw), g0 = wg % (Hkv / hpw) * hpw;
+  for (size_t g = g0; g < g0 + hpw; ++g)
+    kv_write(f16, knew, vnew, cache, pages, starts, layer, rcos, rsin, blocks, Hkv, D, L, stride, R, interleaved, b, g);
   const int64_t *page_ids = pages + b * blocks;
   size_t len = (size_t)lens[b], l = (size_t)layer[0], bytes = f16 ? 2 : 4;
   size_t slot_elems = Hkv * D, kv_elems = stride * slot_elems;  // one K (or V) of a page and layer
@@ -1021,13 +1008,14 @@ INLINE void attention(const int f16, const float *q, const void *cache, const in
 }
 
 #define ATTENTION_ARGS(T)                                                                                    \
-  MEMREF(const float, q), MEMREF(const T, cache), MEMREF(const int64_t, pages), MEMREF(const int64_t, lens),  \
+  MEMREF(const float, q), MEMREF(const float, knew), MEMREF(const float, vnew), MEMREF(T, cache),            \
+      MEMREF(const int64_t, pages), MEMREF(const int64_t, starts), MEMREF(const int64_t, lens),              \
       MEMREF(const int64_t, layer), MEMREF(const float, rcos), MEMREF(const float, rsin), MEMREF(float, out), \
       size_t blocks, size_t H, size_t Hkv, size_t D, size_t L, size_t stride, size_t R, size_t interleaved,   \
       size_t hpw, float scale, size_t wg
 #define ATTENTION(f16)                                                                                        \
-  attention(f16, BASE(q), BASE(cache), BASE(pages), BASE(lens), BASE(layer), BASE(rcos), BASE(rsin), BASE(out), \
-            blocks, H, Hkv, D, L, stride, R, interleaved, hpw, scale, wg)
+  attention(f16, BASE(q), BASE(knew), BASE(vnew), BASE(cache), BASE(pages), BASE(starts), BASE(lens), BASE(layer), \
+            BASE(rcos), BASE(rsin), BASE(out), blocks, H, Hkv, D, L, stride, R, interleaved, hpw, scale, wg)
 void sharkport_decode_attention(ATTENTION_ARGS(float)) { ATTENTION(0); }
 void sharkport_decode_attention_f16(ATTENTION_ARGS(uint16_t)) { ATTENTION(1); }
 

@@ -223,7 +223,8 @@ def _float_bits(value: float) -> int:
     return struct.unpack("<I", struct.pack("<f", value))[0]
 
 
-# ---- decode attention over the paged cache (matvec.c's sharkport_decode_attention) ----
+# ---- decode attention over the paged cache, with the new position's write (matvec.c's
+#      sharkport_decode_attention) ----
 
 @dataclass(frozen=True)
 class AttentionShape:
@@ -237,9 +238,9 @@ class AttentionShape:
     rope_dim: int = 0  # dims each head rotates (0: no rotary)
     rope_layout: str = "interleaved"  # pairs (2i, 2i+1), or "half": (i, i + rope_dim/2)
     cache_dtype: str = "f32"  # of the cache's elements: "f32" or "f16"
-    # the attention's workgroups take a sequence and this many of its kv heads (a divisor of
-    # kv_heads): all of them read each page whole, in address order; fewer share a sequence among
-    # more workgroups (kernels.kv_heads_per_workgroup chooses). The write's take one kv head each.
+    # the workgroups take a sequence and this many of its kv heads (a divisor of kv_heads): all of
+    # them read each page whole, in address order; fewer share a sequence among more workgroups
+    # (kernels.kv_heads_per_workgroup chooses)
     kv_heads_per_workgroup: int = 1
 
     @property
@@ -260,33 +261,26 @@ class AttentionShape:
         return "" if self.cache_dtype == "f32" else f"_{self.cache_dtype}"
 
 
-# The decode attention kernels' tensor operands: (name, element type, rank), the cache's element
-# type that of the shape. The write's cache is updated in place (its result is tied to it); the
-# attention returns a new [B, H*D].
-def _kv_write_args(shape: AttentionShape):
-    return (("k", "f32", 2), ("v", "f32", 2), ("cache", shape.cache_dtype, 2), ("pages", "i64", 2),
-            ("starts", "i64", 1), ("layer", "i64", 1), ("cos", "f32", 2), ("sin", "f32", 2))
-
-
+# The decode attention kernel's tensor operands: (name, element type, rank), the cache's element
+# type that of the shape. The cache is updated in place (a result tied to it); the attention's
+# output is a new [B, H*D].
 def _attention_args(shape: AttentionShape):
-    return (("q", "f32", 2), ("cache", shape.cache_dtype, 2), ("pages", "i64", 2), ("lens", "i64", 1),
-            ("layer", "i64", 1), ("cos", "f32", 2), ("sin", "f32", 2))
+    return (("q", "f32", 2), ("k", "f32", 2), ("v", "f32", 2), ("cache", shape.cache_dtype, 2), ("pages", "i64", 2),
+            ("starts", "i64", 1), ("lens", "i64", 1), ("layer", "i64", 1), ("cos", "f32", 2), ("sin", "f32", 2))
 
 
-def _paged_module(name: str, c_name: str, args, constants: list[tuple[str, str]], per_sequence: int,
-                  in_place: bool) -> str:
+def _paged_module(name: str, c_name: str, args, constants: list[tuple[str, str]], per_sequence: int) -> str:
     """MLIR module text of util.func `name` over tensor operands `args` (see _attention_args),
     dispatching C function `c_name` over B * per_sequence workgroups (B: the first operand's rows).
-    The C function takes each operand's memref (and the result's, unless `in_place`), then the
-    pages' columns (blocks), the `constants` (MLIR value, type) and the workgroup id. Its result
-    is the "cache" operand updated in place when `in_place`, else a new tensor shaped as the first
-    operand."""
+    The C function takes each operand's memref and the new result's, then the pages' columns
+    (blocks), the `constants` (MLIR value, type) and the workgroup id. Its results are a new
+    tensor shaped as the first operand, and the "cache" operand updated in place."""
     n = len(args)
     names = [a for a, _, _ in args]
     types = [f"tensor<{'?x' * rank}{e}>" for _, e, rank in args]
-    elements = [e for _, e, _ in args] + ([] if in_place else ["f32"])
+    elements = [e for _, e, _ in args] + ["f32"]
     memrefs = ", ".join(_memref(e) for e in elements)
-    subspans = "\n".join(  # a new result has the first operand's size
+    subspans = "\n".join(  # the new result has the first operand's size
         f"        %s{i} = stream.binding.subspan %b{i}[%c0] : !stream.binding -> {_memref(e)}{{%n{i if i < n else 0}}}"
         for i, e in enumerate(elements))
     dims = [[f"%a{i}d{j}" for j in range(rank)] for i, (_, _, rank) in enumerate(args)]
@@ -299,17 +293,13 @@ def _paged_module(name: str, c_name: str, args, constants: list[tuple[str, str]]
     constant_types = ", ".join(t for _, t in constants)
     call_args = ", ".join([f"%s{i}" for i in range(len(elements))] + ["%blocks"]
                           + [f"%k{i}" for i in range(len(constants))] + ["%wg"])
-    pages = names.index("pages")
-    if in_place:
-        # The result's rows are computed anew (elements / columns) rather than being the operand's
-        # dim: with the same SSA dims, IREE 3.9 merges the import of the cache argument with the one
-        # the exported function's final in-place write-back makes, and then copies the whole cache
-        # in and out of every call (copy-on-write of a value used twice).
-        cache = names.index("cache")
-        rows = f"    %rows = arith.divui %n{cache}, {dims[cache][1]} : index"
-        result_type, result = types[cache], f"%a{cache}{{%rows, {dims[cache][1]}}}"
-    else:
-        rows, result_type, result = "", types[0], f"{types[0]}{{{', '.join(dims[0])}}}"
+    pages, cache = names.index("pages"), names.index("cache")
+    # The updated cache's rows are computed anew (elements / columns) rather than being the
+    # operand's dim: with the same SSA dims, IREE 3.9 merges the import of the cache argument with
+    # the one the exported function's final in-place write-back makes, and then copies the whole
+    # cache in and out of every call (copy-on-write of a value used twice).
+    result_types = f"{types[0]}, {types[cache]}"
+    results = f"{types[0]}{{{', '.join(dims[0])}}}, %a{cache}{{%rows, {dims[cache][1]}}}"
     return f"""
 module {{
   stream.executable private @{name}_executable attributes {{{_objects()}}} {{
@@ -329,16 +319,16 @@ module {{
       }}
     }}
   }}
-  util.func private @{name}({", ".join(f"%a{i}: {t}" for i, t in enumerate(types))}) -> {result_type} {{
+  util.func private @{name}({", ".join(f"%a{i}: {t}" for i, t in enumerate(types))}) -> ({result_types}) {{
     %c0 = arith.constant 0 : index
     %c1 = arith.constant 1 : index
 {dim_ops}
 {counts}
     %per_sequence = arith.constant {per_sequence} : index
     %wgs = arith.muli %a0d0, %per_sequence : index
-{rows}
-    %y = flow.dispatch @{name}_executable::@{name}_entry[%wgs]({", ".join(f"%a{i}" for i in range(n))}, {", ".join(f"%n{i}" for i in range(n))}, %a{pages}d1) : ({operands}, {", ".join(["index"] * n)}, index) -> {result}
-    util.return %y : {result_type}
+    %rows = arith.divui %n{cache}, {dims[cache][1]} : index
+    %y:2 = flow.dispatch @{name}_executable::@{name}_entry[%wgs]({", ".join(f"%a{i}" for i in range(n))}, {", ".join(f"%n{i}" for i in range(n))}, %a{pages}d1) : ({operands}, {", ".join(["index"] * n)}, index) -> ({results})
+    util.return %y#0, %y#1 : {result_types}
   }}
 }}"""
 
@@ -360,72 +350,39 @@ def _rotated(shape: AttentionShape, x, cos, sin, heads: int):
     return apply_rope(x, cos.view(B, 1, -1), sin.view(B, 1, -1), shape.rope_layout) if shape.rope_dim else x
 
 
-def _kv_write_eager(shape: AttentionShape, k, v, cache, pages, starts, layer, cos, sin) -> None:
-    """The write in torch: k rotated as ops.apply_rope, written as sharkport.layers.PagedCache does."""
-    from ..layers.paged_cache import PagedCache
-
-    B, Hkv = k.shape[0], shape.kv_heads
-    paged = PagedCache(shape.layers, Hkv, shape.head_dim, shape.stride)
-    paged.write_positions(cache, int(layer[0]), _rotated(shape, k, cos, sin, Hkv),
-                          v.view(B, 1, Hkv, shape.head_dim), pages, starts)
-
-
-def _attention_eager(shape: AttentionShape, q, cache, pages, lens, layer, cos, sin) -> torch.Tensor:
-    """The attention in torch: q rotated as ops.apply_rope, the pages read as
-    sharkport.layers.PagedCache does, then ops.attention under a length mask."""
+def _attention_eager(shape: AttentionShape, q, k, v, cache, pages, starts, lens, layer, cos, sin) -> torch.Tensor:
+    """The kernel in torch: k rotated as ops.apply_rope and written into cache as
+    sharkport.layers.PagedCache does (in place), then q rotated, the pages read as PagedCache does
+    and ops.attention under a length mask."""
     from ..layers.paged_cache import PagedCache
     from ..ops import attention, length_mask
 
-    B, H = q.shape[0], shape.heads
+    B, H, Hkv, D = q.shape[0], shape.heads, shape.kv_heads, shape.head_dim
+    paged, l = PagedCache(shape.layers, Hkv, D, shape.stride), int(layer[0])
+    paged.write_positions(cache, l, _rotated(shape, k, cos, sin, Hkv), v.view(B, 1, Hkv, D), pages, starts)
     q = _rotated(shape, q, cos, sin, H)
-    k, v = PagedCache(shape.layers, shape.kv_heads, shape.head_dim, shape.stride).read(cache, int(layer[0]), pages,
-                                                                                      q.dtype)
+    k, v = paged.read(cache, l, pages, q.dtype)
     out = attention(q, k, v, length_mask(lens, k.shape[1], q.dtype), shape.scale)
-    return out.reshape(B, H * shape.head_dim)
-
-
-@functools.cache
-def kv_write_op(shape: AttentionShape):
-    """The turbine op writing decode's new K/V (k rotated) into the cache in place:
-    op(k [B, Hkv*D], v [B, Hkv*D], cache_state [P, page_elems], pages [B, blocks],
-    start_positions [B], layer [2], cos [B, R/2], sin [B, R/2]) -> ()."""
-    name = shape.name.replace("sharkport_decode_attention", "sharkport_decode_kv_write")
-    operands = _kv_write_args(shape)
-    args = ", ".join(f"Tensor{'(a!)' if arg == 'cache' else ''} {arg}" for arg, _, _ in operands)
-
-    class Op(CustomOp):
-        signature = f"{name}({args}) -> ()"
-
-        def select(self, ksel: KernelSelection):
-            for i, (arg, _, _) in enumerate(operands):
-                ksel.arg_tensor(i, inplace_tied=arg == "cache")
-
-        def eager_execute(self, *args):
-            _kv_write_eager(shape, *args)
-
-        def generate(self, ksel: KernelSelection, kb: KernelBuilder):
-            constants = _constants(shape, "Hkv", "D", "L", "stride", "R", "interleaved")
-            call_mlir_function(kb, name, lambda: _paged_module(name, f"sharkport_decode_kv_write{shape.c_suffix}",
-                                                               operands, constants, shape.kv_heads, in_place=True))
-
-    Op.__name__ = name
-    return CustomOp.register(library=_LIBRARY)(Op)
+    return out.reshape(B, H * D)
 
 
 @functools.cache
 def attention_op(shape: AttentionShape):
     """The turbine op for decode attention of `shape` (one op per shape: its constants are in its
-    name): op(q [B, H*D] before rotary, cache_state [P, page_elems], pages [B, blocks],
-    seq_lens [B], layer [2], cos [B, R/2], sin [B, R/2]) -> [B, H*D]."""
+    name), writing the new K/V (k rotated) into the cache in place first:
+    op(q [B, H*D] before rotary, k [B, Hkv*D] before rotary, v [B, Hkv*D],
+    cache_state [P, page_elems], pages [B, blocks], start_positions [B], seq_lens [B], layer [2],
+    cos [B, R/2], sin [B, R/2]) -> [B, H*D]."""
     operands = _attention_args(shape)
+    args = ", ".join(f"Tensor{'(a!)' if arg == 'cache' else ''} {arg}" for arg, _, _ in operands)
 
     class Op(CustomOp):
-        signature = f"{shape.name}({', '.join(f'Tensor {arg}' for arg, _, _ in operands)}) -> (Tensor)"
+        signature = f"{shape.name}({args}) -> (Tensor)"
 
         def select(self, ksel: KernelSelection):
             q = ksel.arg_tensor(0)
-            for i in range(1, len(operands)):
-                ksel.arg_tensor(i)
+            for i, (arg, _, _) in enumerate(operands[1:], 1):
+                ksel.arg_tensor(i, inplace_tied=arg == "cache")
             ksel.return_new_tensor(list(q.t.shape), torch.float32)
 
         def eager_execute(self, *args):
@@ -435,7 +392,7 @@ def attention_op(shape: AttentionShape):
             constants = _constants(shape, "H", "Hkv", "D", "L", "stride", "R", "interleaved", "hpw", "scale")
             call_mlir_function(kb, shape.name, lambda: _paged_module(
                 shape.name, f"sharkport_decode_attention{shape.c_suffix}", operands, constants,
-                shape.kv_heads // shape.kv_heads_per_workgroup, in_place=False))
+                shape.kv_heads // shape.kv_heads_per_workgroup))
 
     Op.__name__ = shape.name
     return CustomOp.register(library=_LIBRARY)(Op)

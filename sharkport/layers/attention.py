@@ -96,7 +96,7 @@ class PagedAttention(torch.nn.Module):
         c = self.config
         a = kernels.decode_attention(q, k, v, cache_state, self.cache, self.layer, seq_block_ids, start_positions,
                                      seq_lens, rope, c.rope_layout, c.scale, c.window, c.logit_cap)
-        if a is not None:  # export --matvec-kernels: rotary, the cache write and attention in two kernel dispatches
+        if a is not None:  # export --matvec-kernels: rotary, the cache write and attention in one kernel dispatch
             return self._output(a, residual)
         q, k = self._rotated(q, k, rope)
         self.cache.write_positions(cache_state, self.layer, k, v, seq_block_ids, start_positions)
