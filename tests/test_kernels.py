@@ -283,7 +283,7 @@ def test_decode_attention_equals_torch_sdpa(head_dim, rope_dim, layout, dtype, c
     cache: the new k and v stored as torch's `.half()` rounds them (to within one unit in the last
     place: k is rotated in float32 by the kernel, in float64 here), the cached values read exactly.
     Exported for 1 CPU, each workgroup takes a sequence with both kv heads (and prefetches their
-    whole next page); for 4, a (sequence, kv head)."""
+    whole next page); for 4, a (sequence, kv head). The op run eagerly computes the same."""
     import iree.runtime as rt
     from iree.turbine import aot
 
@@ -335,6 +335,14 @@ def test_decode_attention_equals_torch_sdpa(head_dim, rope_dim, layout, dtype, c
         qr = _rotated(q[b, 0], cos[b, 0], sin[b, 0], layout)
         want = torch.nn.functional.scaled_dot_product_attention(qr[:, None], k_all, v_all, scale=scale)[:, 0]
         np.testing.assert_allclose(got[b, 0], want.numpy(), rtol=0, atol=2e-6 * want.abs().max().item())
+
+    # the op run eagerly (what tracing falls back on outside IREE) writes and attends the same
+    eager_state = state.clone()
+    with kernels.enabled():
+        eager = _Attention(cache, 1, scale, layout)(q, k, v, eager_state, pages, starts, seq_lens, cos, sin)
+    np.testing.assert_allclose(eager_state.float().numpy(), written.float().numpy(),
+                               rtol=2 ** -10 if dtype == torch.float16 else 0, atol=1e-6)
+    np.testing.assert_allclose(eager.numpy(), got, rtol=0, atol=2e-6 * np.abs(got).max())
 
 
 @pytest.mark.parametrize("batch, kv_heads, gd, cpus, want", [
