@@ -802,12 +802,16 @@ DEFINE_KERNELS(F16, f16)
 // One new position per sequence: sharkport_decode_attention rotates its k and writes k and v
 // into the cache (in place), then attends with its rotated query to the positions [0, len) of its
 // pages, in one dispatch (the write was a dispatch of its own before: 187 -> 157 a SmolLM2 step).
+// The cache is sharkport.layers.PagedCache's flat [pages, L, 2 (K, V), stride, Hkv, D], of float32
+// (sharkport_decode_attention) or float16 (sharkport_decode_attention_f16: half the bytes to read;
+// written rounded to nearest even as torch's .half(), read exactly).
 // Its workgroups take a sequence and one or more of its kv heads (all of them when there are
 // enough sequences for the CPUs), each with its G query heads, so that K and V are read once; a
 // workgroup writes the new slots of its kv heads before it reads them, and no other workgroup
 // touches them. It walks the sequence a page at a time with a running softmax (scores of a page,
-// their max, the earlier sums rescaled), in float32 throughout. The functions below take `f16` (whether the cache is
-// float16) as a constant: each exported function inlines them for its element type.
+// their max, the earlier sums rescaled), in float32 throughout. The functions below take `f16`
+// (whether the cache is float16) as a constant: each exported function inlines them for its
+// element type.
 
 // Eight cache values from element i of base, as float32.
 INLINE __m256 load8(const int f16, const void *base, size_t i) {
