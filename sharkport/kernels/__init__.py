@@ -33,7 +33,6 @@ compiling needs only this module). Eagerly the ops compute the same in torch."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import os
 import platform
