@@ -211,16 +211,21 @@ def _one_line(e: BaseException) -> str:
 
 class _Functions:
     """A module's functions in its context, looked up by name; inputs and results go through
-    `device` (device 0 of a tensor-parallel module)."""
+    `device` (device 0 of a tensor-parallel module). Each function's invoker is made once: making
+    one parses the function's ABI JSON and builds its argument packer, 15 to 20 us a call."""
 
     def __init__(self, rt, context, module, device):
         self._rt, self._context, self._module, self._device = rt, context, module, device
+        self._invokers = {}
 
     def __getitem__(self, name: str):
-        fn = self._module.lookup_function(name)
-        if fn is None:
-            raise KeyError(name)
-        return self._rt.FunctionInvoker(self._context, self._device, fn)
+        invoker = self._invokers.get(name)
+        if invoker is None:
+            fn = self._module.lookup_function(name)
+            if fn is None:
+                raise KeyError(name)
+            invoker = self._invokers[name] = self._rt.FunctionInvoker(self._context, self._device, fn)
+        return invoker
 
 
 class EagerSession(Session):
