@@ -303,38 +303,59 @@ _Static_assert(MAX_M == 8, "FOR_EACH_ROW_COUNT covers each row count of x up to 
 #define AT_ROWS(name, MC) AT_ROWS_NAMED(name, MC)
 #define AT_ROWS_NAMED(name, MC) name##_##MC
 
+// The x8 loops keep each row i of x's sums in variables of their own (acc0 .. acc7, ...; a loop's
+// ROW(i) is its code for row i, ROWS_OF_X repeats it), rather than in arrays: gcc 12 kept arrays of them in registers but also stored every one
+// to the stack on every block (or kept them there), and those stores, from memory, cost a product
+// up to a third of its time. tools/matvec_harness.c, 1536x576, us a product, four rows of x, two
+// threads from memory: AVX-512 Q4_1 19.9 / 20.5 -> 14.0 / 13.9 (bimodal before: 11.7 in another
+// run), Q8_0 21.9 / 21.9 -> 16.8 / 17.4; one thread in the caches, eight rows: Q4_1 31.6 -> 29.3,
+// Q8_0 34.5 -> 31.3; one row unchanged. SmolLM2 decode bs4, 10 rounds side by side: Q4_1 3.334 ->
+// 3.004 ms, Q8_0 3.645 -> 3.351. The AVX2 loops (where they kept the sums on the stack): Q4_1 four
+// rows 28.4 -> 26.5 in the caches, 20.7 / 21.0 -> 19.5 / 19.4 from memory; Q8_0 and eight rows
+// within 1.5% either way (eight rows of sums outnumber AVX2's 16 registers).
+#define ROWS_OF_X(ROW) ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7)
+_Static_assert(MAX_M == 8, "ROWS_OF_X names the sums of each row count of x up to MAX_M");
+// name0 .. name7 of type T, each v; then the array name [MAX_M] of them (for the outputs)
+#define EIGHT(T, name, v) T name##0 = v, name##1 = name##0, name##2 = name##0, name##3 = name##0, \
+                          name##4 = name##0, name##5 = name##0, name##6 = name##0, name##7 = name##0
+#define SUMS_ARRAY(T, name) T name[MAX_M] = {name##0, name##1, name##2, name##3, name##4, name##5, name##6, name##7}
+
 // Rows 0..7 of an x8 group (blocks at qs, scales d and offsets m, 8 per block) times MC rows of x
 // (quantized in ws, blocks in order): out[i][r].
 INLINE void q4_x8(const workspace *ws, int kind, const uint8_t *qs, const uint16_t *d, const uint16_t *m, size_t MC,
                   size_t K, float out[MAX_M][8]) {
   size_t B = K / 32;
   const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-  __m256 acc[MAX_M];
-  for (size_t i = 0; i < MC; ++i) acc[i] = _mm256_setzero_ps();
+  EIGHT(__m256, acc, _mm256_setzero_ps());
   for (size_t b = 0; b < B; ++b, qs += 128) {
     PREFETCH_LINE(qs);
     PREFETCH_LINE(qs + 64);
-    __m256i s[MAX_M];
-    for (size_t i = 0; i < MC; ++i) s[i] = _mm256_setzero_si256();
+    EIGHT(__m256i, s, _mm256_setzero_si256());
     for (size_t j = 0; j < 4; ++j) {
       __m256i v = load32(qs + 32 * j);
       __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-      for (size_t i = 0; i < MC; ++i) {
-        const int8_t *xq = ws->q + i * K + 32 * b + 4 * j;
-        s[i] = _mm256_add_epi16(s[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xq)),
-                                                       _mm256_maddubs_epi16(hi, broadcast4(xq + 16))));
-        __asm__("" : "+x"(s[i]));  // kept in a register, the adds in this order (see above)
-      }
+#define ROW(i)                                                                                      \
+  if (i < MC) {                                                                                     \
+    const int8_t *xq = ws->q + i * K + 32 * b + 4 * j;                                              \
+    s##i = _mm256_add_epi16(s##i, _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xq)),        \
+                                                   _mm256_maddubs_epi16(hi, broadcast4(xq + 16)))); \
+    __asm__("" : "+x"(s##i)); /* kept in a register, the adds in this order (see above) */          \
+  }
+      ROWS_OF_X(ROW)
+#undef ROW
     }
     __m256 dv = halves8(d + 8 * b);
     __m256 mv = kind == Q4_1X8 ? halves8(m + 8 * b) : _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f));
-    for (size_t i = 0; i < MC; ++i) {
-      __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[i], ones));
-      acc[i] = _mm256_fmadd_ps(sums, _mm256_mul_ps(dv, _mm256_broadcast_ss(ws->xd + i * B + b)), acc[i]);
-      acc[i] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(ws->xs + i * B + b), acc[i]);
-      __asm__("" : "+x"(acc[i]));
-    }
+#define ROW(i)                                                                                          \
+  if (i < MC) {                                                                                         \
+    __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(s##i, ones));                                    \
+    acc##i = _mm256_fmadd_ps(sums, _mm256_mul_ps(dv, _mm256_broadcast_ss(ws->xd + i * B + b)), acc##i); \
+    acc##i = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(ws->xs + i * B + b), acc##i);                      \
   }
+    ROWS_OF_X(ROW)
+#undef ROW
+  }
+  SUMS_ARRAY(__m256, acc);
   group_outputs(acc, MC, out);
 }
 
@@ -381,29 +402,12 @@ INLINE void pair_outputs(const __m512 *acc, const __m256 *off, size_t MC, float 
   }
 }
 
-// Each row of x's sums live in variables of their own (a0 .. a7 in pair lanes, f0 .. f7 the
-// offsets), named by ROWS_OF_X, rather than in arrays: gcc 12 kept arrays of them in registers but
-// also stored every one to the stack on every block (eight stores a block at four rows of x).
-// tools/matvec_harness.c, Q4_1 1536x576, us a product: four rows of x, two threads from memory
-// 19.9 / 20.5 -> 14.0 / 13.9, one thread in the caches 16.3 -> 15.5; eight rows 31.6 -> 29.3;
-// one and two rows (no stores before) unchanged. SmolLM2 Q4_1 decode bs4, 10 rounds side by side:
-// 3.334 -> 3.004 ms.
-#define ROWS_OF_X(ROW) \
-  ROW(0, a0, f0) ROW(1, a1, f1) ROW(2, a2, f2) ROW(3, a3, f3) ROW(4, a4, f4) ROW(5, a5, f5) ROW(6, a6, f6) ROW(7, a7, f7)
-_Static_assert(MAX_M == 8, "ROWS_OF_X names the sums of each row count of x up to MAX_M");
-#define PAIR_SUMS                                                                            \
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
-  __m256 f0 = _mm256_setzero_ps(), f1 = f0, f2 = f0, f3 = f0, f4 = f0, f5 = f0, f6 = f0, f7 = f0
-#define PAIR_OUTPUTS                                 \
-  __m512 acc[MAX_M] = {a0, a1, a2, a3, a4, a5, a6, a7}; \
-  __m256 off[MAX_M] = {f0, f1, f2, f3, f4, f5, f6, f7}; \
-  pair_outputs(acc, off, MC, out)
-
 INLINE void q4_x8_zmm(const workspace *ws, int kind, const uint8_t *qs, const uint16_t *d, const uint16_t *m,
                       size_t MC, size_t K, float out[MAX_M][8]) {
   size_t B = K / 32;
   const __m512i low4 = _mm512_set1_epi8(15);
-  PAIR_SUMS;
+  EIGHT(__m512, acc, _mm512_setzero_ps());
+  EIGHT(__m256, off, _mm256_setzero_ps());
   for (size_t b = 0; b < B; ++b, qs += 128) {
     PREFETCH_LINE(qs);
     PREFETCH_LINE(qs + 64);
@@ -413,20 +417,22 @@ INLINE void q4_x8_zmm(const workspace *ws, int kind, const uint8_t *qs, const ui
     __m256 d8 = halves8(d + 8 * b);
     __m512 dv = pair_scales(d8);
     __m256 mv = kind == Q4_1X8 ? halves8(m + 8 * b) : _mm256_mul_ps(d8, _mm256_set1_ps(-8.0f));
-#define ROW(i, a, f)                                                                                       \
-  if (i < MC) {                                                                                            \
-    const int8_t *xq = ws->q + i * K + 32 * b; /* values 0..7 meet lo0, 8..15 lo1, 16..23 hi0, 24..31 hi1 */ \
-    __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo0, broadcast8(xq));                          \
-    s = _mm512_dpbusd_epi32(s, lo1, broadcast8(xq + 8));                                                   \
-    s = _mm512_dpbusd_epi32(s, hi0, broadcast8(xq + 16));                                                  \
-    s = _mm512_dpbusd_epi32(s, hi1, broadcast8(xq + 24));                                                  \
-    a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(ws->xd[i * B + b])), a);    \
-    f = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(ws->xs + i * B + b), f);                                   \
+#define ROW(i)                                                                                                     \
+  if (i < MC) {                                                                                                    \
+    const int8_t *xq = ws->q + i * K + 32 * b; /* values 0..7 meet lo0, 8..15 lo1, 16..23 hi0, 24..31 hi1 */       \
+    __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo0, broadcast8(xq));                                  \
+    s = _mm512_dpbusd_epi32(s, lo1, broadcast8(xq + 8));                                                           \
+    s = _mm512_dpbusd_epi32(s, hi0, broadcast8(xq + 16));                                                          \
+    s = _mm512_dpbusd_epi32(s, hi1, broadcast8(xq + 24));                                                          \
+    acc##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(ws->xd[i * B + b])), acc##i); \
+    off##i = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(ws->xs + i * B + b), off##i);                                 \
   }
     ROWS_OF_X(ROW)
 #undef ROW
   }
-  PAIR_OUTPUTS;
+  SUMS_ARRAY(__m512, acc);
+  SUMS_ARRAY(__m256, off);
+  pair_outputs(acc, off, MC, out);
 }
 
 // Q8_0: `vpdpbusd` takes unsigned bytes, so the weights go in as w + 128 (w xor 0x80), and each
@@ -435,7 +441,8 @@ INLINE void q8_x8_zmm(const workspace *ws, const int8_t *qs, const uint16_t *d, 
                       float out[MAX_M][8]) {
   size_t B = K / 32;
   const __m512i bias = _mm512_set1_epi8((char)0x80);
-  PAIR_SUMS;
+  EIGHT(__m512, acc, _mm512_setzero_ps());
+  EIGHT(__m256, off, _mm256_setzero_ps());
   for (size_t b = 0; b < B; ++b, qs += 256) {
     for (size_t line = 0; line < 256; line += 64) PREFETCH_LINE(qs + line);
     __m512i u[4];
@@ -443,18 +450,20 @@ INLINE void q8_x8_zmm(const workspace *ws, const int8_t *qs, const uint16_t *d, 
     __m256 d8 = halves8(d + 8 * b);
     __m512 dv = pair_scales(d8);
     __m256 ov = _mm256_mul_ps(d8, _mm256_set1_ps(-128.0f));
-#define ROW(i, a, f)                                                                                       \
-  if (i < MC) {                                                                                            \
-    const int8_t *xq = ws->q + i * K + 32 * b;                                                             \
-    __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[0], broadcast8(xq));                         \
-    for (size_t j = 1; j < 4; ++j) s = _mm512_dpbusd_epi32(s, u[j], broadcast8(xq + 8 * j));               \
-    a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(ws->xd[i * B + b])), a);    \
-    f = _mm256_fmadd_ps(ov, _mm256_broadcast_ss(ws->xs + i * B + b), f);                                   \
+#define ROW(i)                                                                                                     \
+  if (i < MC) {                                                                                                    \
+    const int8_t *xq = ws->q + i * K + 32 * b;                                                                     \
+    __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[0], broadcast8(xq));                                 \
+    for (size_t j = 1; j < 4; ++j) s = _mm512_dpbusd_epi32(s, u[j], broadcast8(xq + 8 * j));                       \
+    acc##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(ws->xd[i * B + b])), acc##i); \
+    off##i = _mm256_fmadd_ps(ov, _mm256_broadcast_ss(ws->xs + i * B + b), off##i);                                 \
   }
     ROWS_OF_X(ROW)
 #undef ROW
   }
-  PAIR_OUTPUTS;
+  SUMS_ARRAY(__m512, acc);
+  SUMS_ARRAY(__m256, off);
+  pair_outputs(acc, off, MC, out);
 }
 #else
 #define Q4_X8_LOOP q4_x8
@@ -484,30 +493,31 @@ INLINE void q8_x8(const workspace *ws, const int8_t *qs, const uint16_t *d, size
                   float out[MAX_M][8]) {
   size_t B = K / 32;
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[MAX_M];
-  for (size_t i = 0; i < MC; ++i) acc[i] = _mm256_setzero_ps();
+  EIGHT(__m256, acc, _mm256_setzero_ps());
   for (size_t b = 0; b < B; ++b, qs += 256) {
     for (size_t line = 0; line < 256; line += 64) PREFETCH_LINE(qs + line);
-    __m256i s[MAX_M];
-    for (size_t i = 0; i < MC; ++i) s[i] = _mm256_setzero_si256();
+    EIGHT(__m256i, s, _mm256_setzero_si256());
     for (size_t j = 0; j < 8; j += 2) {
       __m256i v0 = load32(qs + 32 * j), v1 = load32(qs + 32 * j + 32);
-      __m256i a0 = _mm256_sign_epi8(v0, v0), a1 = _mm256_sign_epi8(v1, v1);
-      for (size_t i = 0; i < MC; ++i) {
-        const int8_t *xq = ws->q + i * K + 32 * b + 4 * j;
-        __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(broadcast4(xq), v0));
-        __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(broadcast4(xq + 4), v1));
-        s[i] = _mm256_add_epi32(s[i], _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones)));
-        __asm__("" : "+x"(s[i]));  // as in q4_x8
-      }
+      __m256i w0 = _mm256_sign_epi8(v0, v0), w1 = _mm256_sign_epi8(v1, v1);
+#define ROW(i)                                                                                                 \
+  if (i < MC) {                                                                                                \
+    const int8_t *xq = ws->q + i * K + 32 * b + 4 * j;                                                         \
+    __m256i p0 = _mm256_maddubs_epi16(w0, _mm256_sign_epi8(broadcast4(xq), v0));                               \
+    __m256i p1 = _mm256_maddubs_epi16(w1, _mm256_sign_epi8(broadcast4(xq + 4), v1));                           \
+    s##i = _mm256_add_epi32(s##i, _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones))); \
+    __asm__("" : "+x"(s##i)); /* as in q4_x8 */                                                                \
+  }
+      ROWS_OF_X(ROW)
+#undef ROW
     }
     __m256 dv = halves8(d + 8 * b);
-    for (size_t i = 0; i < MC; ++i) {
-      __m256 scale = _mm256_mul_ps(dv, _mm256_broadcast_ss(ws->xd + i * B + b));
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), scale, acc[i]);
-      __asm__("" : "+x"(acc[i]));
-    }
+#define ROW(i) \
+  if (i < MC) acc##i = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s##i), _mm256_mul_ps(dv, _mm256_broadcast_ss(ws->xd + i * B + b)), acc##i);
+    ROWS_OF_X(ROW)
+#undef ROW
   }
+  SUMS_ARRAY(__m256, acc);
   group_outputs(acc, MC, out);
 }
 
