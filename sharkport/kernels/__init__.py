@@ -66,14 +66,16 @@ ISA_FLAGS = {"avx2": [], "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-m
 AVX512_FEATURES = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
 ISA_ENV = "SHARKPORT_KERNEL_ISA"
 # Outputs per workgroup for a product with N outputs: min(4096, 32 * ceil(N / (32 * W))), a
-# multiple of 32 aiming at W = workgroups(), two for each CPU: enough for the workers to share
-# them, while fewer, larger ones quantize (and normalize) x fewer times (each does all of it).
-# SmolLM2 on 2 CPUs: 64 rows for 192 outputs, 4096 for the 49152 of the output projection (12
-# workgroups). Q4_1 decode with 4 workgroups a product instead of 8, 16 rounds: bs1 2.727 -> 2.676
-# ms, bs4 4.865 -> 4.750; the output projection in 12 workgroups instead of 192 (at most 256 rows
-# each; at bs4 their x's quantizing and norms were 10% of a step's samples in tools/profile_step.py),
-# 10 and 12 rounds: bs4 3.406 -> 3.313, 3.536 -> 3.372 ms, bs1 1.873 -> 1.828, 1.927 -> 1.975.
-ROW_QUANTUM, WORKGROUPS_PER_CPU, MAX_ROWS_PER_WORKGROUP = 32, 2, 4096
+# multiple of 32 aiming at W = workgroups(), one for each CPU: fewer, larger workgroups quantize
+# (and normalize) x fewer times, as each does all of it. SmolLM2 on 2 CPUs: 96 rows for 192
+# outputs, 4096 for the 49152 of the output projection (12 workgroups). Side by side, 10 to 16
+# rounds: 8 -> 4 workgroups a product, Q4_1 bs1 2.727 -> 2.676 ms, bs4 4.865 -> 4.750; the output
+# projection in 12 workgroups instead of 192 (at most 256 rows each; at bs4 their x's quantizing
+# and norms were 10% of a step's samples in tools/profile_step.py), Q4_1 bs4 3.406 -> 3.313 and
+# 3.536 -> 3.372, bs1 1.873 -> 1.828 and 1.927 -> 1.975; 4 -> 2 workgroups, Q4_1 bs1 1.998 -> 1.936
+# and 1.976 -> 1.860, bs4 3.059 -> 2.915 and 3.097 -> 2.897; Q8_0 bs1 2.398 -> 2.282, bs4 3.366 ->
+# 3.132; F16 bs1 4.015 -> 3.862, bs4 6.829 -> 6.547.
+ROW_QUANTUM, WORKGROUPS_PER_CPU, MAX_ROWS_PER_WORKGROUP = 32, 1, 4096
 # plane order of each kernel's arguments after x (sharkport.quant's plane names). Q8_0X8, Q4_0X8
 # and Q4_1X8 are Q8_0, Q4_0 and Q4_1 with their rows interleaved eight at a time (interleave_rows).
 PLANES = {"Q8_0": ("qs", "d"), "Q4_0": ("qs", "d"), "Q4_1": ("qs", "d", "m"), "F16": ("w",),
