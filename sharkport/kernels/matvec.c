@@ -576,29 +576,50 @@ INLINE void f16_row(const float *x, const uint16_t *wn, size_t MC, size_t K, flo
 // multiple of 16, in a step of its own (masked loads throughout ran slower than AVX2). SmolLM2
 // F16 decode bs4, 8 and 12 rounds side by side: 8.871 -> 7.392 ms, 9.156 -> 7.683. One row of x is
 // bound by memory, and took 3 to 5% longer this way (bs1 4.442 -> 4.651 ms): it stays in f16_row.
+// Each chain is a variable of its own (ch0 .. ch8, as ROWS_OF_X above), and the weights are read
+// PREFETCH bytes ahead: kept in an array, the sums went to the stack as soon as the loop held a
+// prefetch (which then doubled a product's time; and likely what made F16 slower with prefetch
+// before). tools/matvec_harness.c, 1536x576, us a product, two threads from memory: four rows of x
+// 50.4 / 49.1 -> 43.1 / 43.1 (named sums alone 44.5 / 44.2), two rows 33.6 / 34.0 -> 29.4 / 29.1;
+// one thread in the caches, four rows 50.3 -> 46.5. SmolLM2 F16 decode bs4, 10 rounds side by
+// side: 6.510 -> 6.096 ms (named sums alone 6.385), bs1 unchanged (3.896 -> 3.894).
 INLINE void f16_row_zmm(const float *x, const uint16_t *wn, size_t MC, size_t K, float *out) {
-  __m512 acc[MC][8];
-  for (size_t i = 0; i < MC; ++i)
-    for (size_t u = 0; u < F16_SPLIT(MC); ++u) acc[i][u] = _mm512_setzero_ps();
-#define F16_STEP_ZMM(k, u, LOAD_W, LOAD_X)                                                            \
-  {                                                                                                   \
-    __m512 wk = _mm512_cvtph_ps(LOAD_W(wn + (k)));                                                    \
-    for (size_t i = 0; i < MC; ++i) acc[i][u] = _mm512_fmadd_ps(wk, LOAD_X(x + i * K + (k)), acc[i][u]); \
+  const size_t S = F16_SPLIT(MC);  // chains a row of x: chain n is row n / S's, for vector n % S of a step
+  __m512 ch0 = _mm512_setzero_ps(), ch1 = ch0, ch2 = ch0, ch3 = ch0, ch4 = ch0, ch5 = ch0, ch6 = ch0, ch7 = ch0, ch8 = ch0;
+  _Static_assert(2 * F16_SPLIT(2) <= 9 && 3 * F16_SPLIT(3) <= 9 && 4 * F16_SPLIT(4) <= 9 && MAX_M <= 9,
+                 "ch0 .. ch8 name every chain");
+#define CHAIN_STEP(n, k, u, LOAD_X) \
+  if (n < MC * S && n % S == (u)) ch##n = _mm512_fmadd_ps(wv, LOAD_X(x + n / S * K + (k)), ch##n);
+#define STEP(k, u, LOAD_W, LOAD_X) /* the weights at k, vector u of a step, times each row of x */ \
+  {                                                                                               \
+    __m512 wv = _mm512_cvtph_ps(LOAD_W(wn + (k)));                                                \
+    CHAIN_STEP(0, k, u, LOAD_X) CHAIN_STEP(1, k, u, LOAD_X) CHAIN_STEP(2, k, u, LOAD_X)           \
+    CHAIN_STEP(3, k, u, LOAD_X) CHAIN_STEP(4, k, u, LOAD_X) CHAIN_STEP(5, k, u, LOAD_X)           \
+    CHAIN_STEP(6, k, u, LOAD_X) CHAIN_STEP(7, k, u, LOAD_X) CHAIN_STEP(8, k, u, LOAD_X)           \
   }
 #define LOAD_W16(p) _mm256_loadu_si256((const __m256i *)(p))
 #define LOAD_W8(p) _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(p)))  // upper lanes 0
 #define LOAD_X8(p) _mm512_maskz_loadu_ps(0xFF, p)
   size_t k = 0;
-  for (; k + 16 * F16_SPLIT(MC) <= K; k += 16 * F16_SPLIT(MC))
-    for (size_t u = 0; u < F16_SPLIT(MC); ++u) F16_STEP_ZMM(k + 16 * u, u, LOAD_W16, _mm512_loadu_ps)
-  size_t u = 0;
-  for (; k + 16 <= K; k += 16, ++u) F16_STEP_ZMM(k, u, LOAD_W16, _mm512_loadu_ps)
-  if (k < K) F16_STEP_ZMM(k, u, LOAD_W8, LOAD_X8)
-  for (size_t i = 0; i < MC; ++i) {
-    for (size_t u = 1; u < F16_SPLIT(MC); ++u) acc[i][0] = _mm512_add_ps(acc[i][0], acc[i][u]);
-    out[i] = _mm512_reduce_add_ps(acc[i][0]);
+  for (; k + 16 * S <= K; k += 16 * S) {
+    PREFETCH_LINE(wn + k);
+    STEP(k, 0, LOAD_W16, _mm512_loadu_ps)
+    if (S > 1) STEP(k + 16, 1, LOAD_W16, _mm512_loadu_ps)
+    if (S > 2) STEP(k + 32, 2, LOAD_W16, _mm512_loadu_ps)
+    if (S > 3) STEP(k + 48, 3, LOAD_W16, _mm512_loadu_ps)
   }
-#undef F16_STEP_ZMM
+  size_t u = 0;  // fewer than S vectors of a row left: to its chains in turn
+  for (; k + 16 <= K; k += 16, ++u) STEP(k, u, LOAD_W16, _mm512_loadu_ps)
+  if (k < K) STEP(k, u, LOAD_W8, LOAD_X8)
+  const float sums[9] = {_mm512_reduce_add_ps(ch0), _mm512_reduce_add_ps(ch1), _mm512_reduce_add_ps(ch2),
+                         _mm512_reduce_add_ps(ch3), _mm512_reduce_add_ps(ch4), _mm512_reduce_add_ps(ch5),
+                         _mm512_reduce_add_ps(ch6), _mm512_reduce_add_ps(ch7), _mm512_reduce_add_ps(ch8)};
+  for (size_t i = 0; i < MC; ++i) {
+    out[i] = 0.0f;
+    for (size_t v = 0; v < S; ++v) out[i] += sums[i * S + v];
+  }
+#undef CHAIN_STEP
+#undef STEP
 #undef LOAD_W16
 #undef LOAD_W8
 #undef LOAD_X8
