@@ -402,6 +402,16 @@ INLINE void pair_outputs(const __m512 *acc, const __m256 *off, size_t MC, float 
   }
 }
 
+// Block b's integer sums s (pair lanes) of row i of x into its sums: acc_i += s * the rows' scales dv
+// * x's scale, off_i += the rows' offsets (lane r: row r's) * x's block sum. Then the outputs.
+#define ADD_BLOCK(i, s, offsets)                                                                                 \
+  acc##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(ws->xd[i * B + b])), acc##i); \
+  off##i = _mm256_fmadd_ps(offsets, _mm256_broadcast_ss(ws->xs + i * B + b), off##i)
+#define PAIR_OUTPUTS       \
+  SUMS_ARRAY(__m512, acc); \
+  SUMS_ARRAY(__m256, off); \
+  pair_outputs(acc, off, MC, out)
+
 INLINE void q4_x8_zmm(const workspace *ws, int kind, const uint8_t *qs, const uint16_t *d, const uint16_t *m,
                       size_t MC, size_t K, float out[MAX_M][8]) {
   size_t B = K / 32;
@@ -424,15 +434,12 @@ INLINE void q4_x8_zmm(const workspace *ws, int kind, const uint8_t *qs, const ui
     s = _mm512_dpbusd_epi32(s, lo1, broadcast8(xq + 8));                                                           \
     s = _mm512_dpbusd_epi32(s, hi0, broadcast8(xq + 16));                                                          \
     s = _mm512_dpbusd_epi32(s, hi1, broadcast8(xq + 24));                                                          \
-    acc##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(ws->xd[i * B + b])), acc##i); \
-    off##i = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(ws->xs + i * B + b), off##i);                                 \
+    ADD_BLOCK(i, s, mv);                                                                                           \
   }
     ROWS_OF_X(ROW)
 #undef ROW
   }
-  SUMS_ARRAY(__m512, acc);
-  SUMS_ARRAY(__m256, off);
-  pair_outputs(acc, off, MC, out);
+  PAIR_OUTPUTS;
 }
 
 // Q8_0: `vpdpbusd` takes unsigned bytes, so the weights go in as w + 128 (w xor 0x80), and each
@@ -455,15 +462,12 @@ INLINE void q8_x8_zmm(const workspace *ws, const int8_t *qs, const uint16_t *d, 
     const int8_t *xq = ws->q + i * K + 32 * b;                                                                     \
     __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[0], broadcast8(xq));                                 \
     for (size_t j = 1; j < 4; ++j) s = _mm512_dpbusd_epi32(s, u[j], broadcast8(xq + 8 * j));                       \
-    acc##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(ws->xd[i * B + b])), acc##i); \
-    off##i = _mm256_fmadd_ps(ov, _mm256_broadcast_ss(ws->xs + i * B + b), off##i);                                 \
+    ADD_BLOCK(i, s, ov);                                                                                           \
   }
     ROWS_OF_X(ROW)
 #undef ROW
   }
-  SUMS_ARRAY(__m512, acc);
-  SUMS_ARRAY(__m256, off);
-  pair_outputs(acc, off, MC, out);
+  PAIR_OUTPUTS;
 }
 #else
 #define Q4_X8_LOOP q4_x8
@@ -936,6 +940,12 @@ INLINE __m256 gather8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m
 INLINE void page_scores(const int f16, const float *qh, const void *k, size_t slot, size_t n, size_t D, float scale,
                         float *p) {
   const __m256 sc = _mm256_set1_ps(scale);
+  // a_i += qd times K's vector at d of position j + i (kj: position j's first element), one width
+#define SCORES8(FMA, LOAD)                                                                              \
+  a0 = FMA(qd, LOAD(f16, k, kj + d), a0), a1 = FMA(qd, LOAD(f16, k, kj + slot + d), a1);                \
+  a2 = FMA(qd, LOAD(f16, k, kj + 2 * slot + d), a2), a3 = FMA(qd, LOAD(f16, k, kj + 3 * slot + d), a3); \
+  a4 = FMA(qd, LOAD(f16, k, kj + 4 * slot + d), a4), a5 = FMA(qd, LOAD(f16, k, kj + 5 * slot + d), a5); \
+  a6 = FMA(qd, LOAD(f16, k, kj + 6 * slot + d), a6), a7 = FMA(qd, LOAD(f16, k, kj + 7 * slot + d), a7)
   size_t j = 0;
 #ifdef __AVX512F__
   if (D % 16 == 0)
@@ -944,14 +954,7 @@ INLINE void page_scores(const int f16, const float *qh, const void *k, size_t sl
       __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
       for (size_t d = 0; d < D; d += 16) {
         __m512 qd = _mm512_loadu_ps(qh + d);
-        a0 = _mm512_fmadd_ps(qd, load16(f16, k, kj + d), a0);
-        a1 = _mm512_fmadd_ps(qd, load16(f16, k, kj + slot + d), a1);
-        a2 = _mm512_fmadd_ps(qd, load16(f16, k, kj + 2 * slot + d), a2);
-        a3 = _mm512_fmadd_ps(qd, load16(f16, k, kj + 3 * slot + d), a3);
-        a4 = _mm512_fmadd_ps(qd, load16(f16, k, kj + 4 * slot + d), a4);
-        a5 = _mm512_fmadd_ps(qd, load16(f16, k, kj + 5 * slot + d), a5);
-        a6 = _mm512_fmadd_ps(qd, load16(f16, k, kj + 6 * slot + d), a6);
-        a7 = _mm512_fmadd_ps(qd, load16(f16, k, kj + 7 * slot + d), a7);
+        SCORES8(_mm512_fmadd_ps, load16);
       }
       _mm256_storeu_ps(p + j, gather8(FOLD16(a0), FOLD16(a1), FOLD16(a2), FOLD16(a3), FOLD16(a4), FOLD16(a5),
                                       FOLD16(a6), FOLD16(a7), sc));
@@ -962,14 +965,7 @@ INLINE void page_scores(const int f16, const float *qh, const void *k, size_t sl
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     for (size_t d = 0; d < D; d += 8) {
       __m256 qd = _mm256_loadu_ps(qh + d);
-      a0 = _mm256_fmadd_ps(qd, load8(f16, k, kj + d), a0);
-      a1 = _mm256_fmadd_ps(qd, load8(f16, k, kj + slot + d), a1);
-      a2 = _mm256_fmadd_ps(qd, load8(f16, k, kj + 2 * slot + d), a2);
-      a3 = _mm256_fmadd_ps(qd, load8(f16, k, kj + 3 * slot + d), a3);
-      a4 = _mm256_fmadd_ps(qd, load8(f16, k, kj + 4 * slot + d), a4);
-      a5 = _mm256_fmadd_ps(qd, load8(f16, k, kj + 5 * slot + d), a5);
-      a6 = _mm256_fmadd_ps(qd, load8(f16, k, kj + 6 * slot + d), a6);
-      a7 = _mm256_fmadd_ps(qd, load8(f16, k, kj + 7 * slot + d), a7);
+      SCORES8(_mm256_fmadd_ps, load8);
     }
     _mm256_storeu_ps(p + j, gather8(a0, a1, a2, a3, a4, a5, a6, a7, sc));
   }
@@ -978,6 +974,7 @@ INLINE void page_scores(const int f16, const float *qh, const void *k, size_t sl
     for (size_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), load8(f16, k, j * slot + d), a);
     p[j] = hsum(a) * scale;
   }
+#undef SCORES8
 }
 
 // A page's K and V come from memory (a step's weights evict them between layers): while a
