@@ -5,8 +5,8 @@
 // the module (an IREE "custom dispatch"), so it must stay freestanding: no libc, no globals, no
 // thread-local state.
 //
-// Each workgroup computes `rows` outputs n (an argument: sharkport.kernels.ops aims at two
-// workgroups per CPU, kernels.workgroups) of every row m, reading each weight once for all rows of
+// Each workgroup computes `rows` outputs n (an argument: sharkport.kernels.ops aims at one
+// workgroup per CPU, kernels.workgroups) of every row m, reading each weight once for all rows of
 // x, so a decode step of batch M reads the weights once.
 //
 // Quantized weights multiply 8-bit integers, as ggml does on CPUs: each workgroup first
@@ -304,9 +304,9 @@ _Static_assert(MAX_M == 8, "FOR_EACH_ROW_COUNT covers each row count of x up to 
 #define AT_ROWS_NAMED(name, MC) name##_##MC
 
 // The x8 loops keep each row i of x's sums in variables of their own (acc0 .. acc7, ...; a loop's
-// ROW(i) is its code for row i, ROWS_OF_X repeats it), rather than in arrays: gcc 12 kept arrays of them in registers but also stored every one
-// to the stack on every block (or kept them there), and those stores, from memory, cost a product
-// up to a third of its time. tools/matvec_harness.c, 1536x576, us a product, four rows of x, two
+// ROW(i) is its code for row i, ROWS_OF_X repeats it), rather than in arrays: gcc 12 kept arrays
+// of them in registers but also stored every one to the stack on every block (or kept them
+// there), and those stores, from memory, cost a product up to a third of its time. tools/matvec_harness.c, 1536x576, us a product, four rows of x, two
 // threads from memory: AVX-512 Q4_1 19.9 / 20.5 -> 14.0 / 13.9 (bimodal before: 11.7 in another
 // run), Q8_0 21.9 / 21.9 -> 16.8 / 17.4; one thread in the caches, eight rows: Q4_1 31.6 -> 29.3,
 // Q8_0 34.5 -> 31.3; one row unchanged. SmolLM2 decode bs4, 10 rounds side by side: Q4_1 3.334 ->
@@ -914,8 +914,9 @@ INLINE void kv_write(const int f16, const float *knew, const float *vnew, void *
 // Where the object is built for AVX-512 (kernels.isa()), page_scores and page_values take 16
 // values of d at a time when D allows: half the multiply-adds and float16 conversions. SmolLM2 Q4_1
 // decode, 8 and 12 rounds side by side: bs1 1.917 -> 1.906 ms, 1.938 -> 1.881; bs4 3.445 -> 3.355,
-// 3.490 -> 3.437. tools/attention_harness.c, B 4, 150 positions, us a step: in the caches 743.8 ->
-// 563.8; from memory (what decode sees) 723.8 -> 721.6: there the reads bound it.
+// 3.490 -> 3.437. tools/attention_harness.c, B 4, 150 positions, us a step: in the caches 5 to 25%
+// faster (noisy; 743.8 -> 563.8 in one run); from memory (what decode sees) 723.8 -> 721.6: there
+// the reads bound it.
 INLINE __m512 load16(const int f16, const void *base, size_t i) {  // as load8
   return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i)))
              : _mm512_loadu_ps((const float *)base + i);

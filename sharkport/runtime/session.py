@@ -212,7 +212,8 @@ def _one_line(e: BaseException) -> str:
 class _Functions:
     """A module's functions in its context, looked up by name; inputs and results go through
     `device` (device 0 of a tensor-parallel module). Each function's invoker is made once: making
-    one parses the function's ABI JSON and builds its argument packer, 15 to 20 us a call."""
+    one parses the function's ABI JSON and builds its argument packer (3 to 5 us of a SmolLM2
+    decode call)."""
 
     def __init__(self, rt, context, module, device):
         self._rt, self._context, self._module, self._device = rt, context, module, device
