@@ -468,12 +468,11 @@ def kernel_module(quantized_tiny, tmp_path_factory):
                                                        kv_cache_dtype=cache_dtype))
             save_export(output, service, out / "m.mlir", out / "m.json")
             mlir = (out / "m.mlir").read_text()
-            cache = "_f16(" if cache_dtype == torch.float16 else "("
-            for kernel in (f"sharkport_decode_attention{cache}",
-                           f"sharkport_matvec_qkv_norm_{type_name}", f"sharkport_matvec_swiglu_norm_{type_name}",
-                           f"sharkport_matvec_add_{type_name}", f"sharkport_matvec_norm_{type_name}",
-                           "sharkport_prefill_attention("):
-                assert kernel in mlir, f"{kernel} is not called: the traced form was taken"
+            cache = "_f16" if cache_dtype == torch.float16 else ""
+            for kernel in (rf"sharkport_attention_block_{type_name}(x8)?{cache}\(",
+                           rf"sharkport_ffn_block_{type_name}(x8)?\(", f"sharkport_matvec_norm_{type_name}",
+                           r"sharkport_prefill_attention\("):
+                assert re.search(kernel, mlir), f"{kernel} is not called: the traced form was taken"
             assert "sharkport_rms_norm" not in mlir, "a decode norm took a dispatch of its own"
             compile_mlir(out / "m.mlir", out / "m.vmfb")
             made[type_name, cache_dtype] = out / "m.vmfb", irpa, out / "m.json", gguf_path
@@ -558,16 +557,80 @@ def test_batch1_decode_copies_no_index_arguments(kernel_module):
         f"{decode.count('@hal.command_buffer.copy_buffer')} copy commands in decode_bs1"
 
 
-def test_a_decode_layer_is_five_dispatches(kernel_module):
-    """Through the kernels a llama layer's decode step is five dispatches: q/k/v with the attention
-    norm, attention with rotary and the cache write, the output product with the residual, SwiGLU
-    with the FFN norm, the down product with the residual. iree-compile's command buffer of
-    decode_bs1 for the tiny llama (2 layers) holds them and the step's own 7 (the clamped page ids,
-    positions and lengths of kernels.decode_indices, the rotary angles, the embedding, the final
-    norm with the logits' product); the cache write was a sixth a layer before."""
+def test_a_decode_layer_is_two_dispatches(kernel_module):
+    """Through the kernels a llama layer's decode step is two dispatches: the attention block (q/k/v
+    with the attention norm, attention with rotary and the cache write, the output product with the
+    residual) and the FFN block (SwiGLU with the FFN norm, the down product with the residual).
+    iree-compile's command buffer of decode_bs1 for the tiny llama (2 layers) holds them and the
+    step's own 7 (the clamped page ids, positions and lengths of kernels.decode_indices, the rotary
+    angles, the embedding, the final norm with the logits' product), and no fill: the blocks' phase
+    counters are module globals the dispatches leave zeroed. (They were five dispatches a layer,
+    six before the cache write moved into attention.)"""
     decode = _decode_bs1_commands(kernel_module("q8_0")[0].with_suffix(".mlir"))
     ordinals = re.findall(r"@hal\.command_buffer\.dispatch\(%\w+, %\w+, %(\w+),", decode)
-    assert len(ordinals) == 2 * 5 + 7, f"decode_bs1 dispatches executables {ordinals}"
+    assert len(ordinals) == 2 * 2 + 7, f"decode_bs1 dispatches executables {ordinals}"
+    assert "@hal.command_buffer.fill_buffer" not in decode
+
+
+_DECODE_STEPS = """
+import sys
+import numpy as np
+from iree import runtime
+from sharkport.runtime.session import IreeSession
+
+vmfb, irpa, config, out = sys.argv[1:5]
+if len(sys.argv) > 5:  # IREE flags, such as the worker count
+    runtime.flags.parse_flags(*sys.argv[5:])
+session = IreeSession(vmfb, irpa, config, pages=16)
+ids = [3, 99, 14, 200, 7, 7, 51, 128, 60, 2, 31, 90, 17, 5, 250, 33, 8, 64, 101, 12]
+pages = np.arange(4, dtype=np.int64)[:, None] * 2 + np.arange(2)
+tokens = np.zeros((4, 16), np.int64)
+tokens[:, :5] = ids[:5]
+session.prefill(tokens, np.full(4, 5), pages[:, :1].copy())
+logits = [np.array(session.decode(np.full((4, 1), ids[p]), np.full(4, p + 1), np.full(4, p),
+                                  pages[:, :p // 16 + 1].copy()), copy=True) for p in range(5, 20)]
+logits += [np.array(session.decode(np.full((1, 1), ids[p]), np.full(1, p + 1), np.full(1, p),
+                                   pages[:1, :p // 16 + 1].copy()), copy=True) for p in range(5, 20)]
+np.save(out, np.concatenate([x.reshape(-1) for x in logits]))
+"""
+
+
+def _decode_logits(module, tmp_path, name: str, *iree_flags: str) -> np.ndarray:
+    """Logits of 15 decode steps at batch 4, then 15 at batch 1, of the tiny llama `module` (vmfb,
+    irpa, config json) run in a process of its own, with `iree_flags` (and IREE's own topology)."""
+    script, out = tmp_path / "decode_steps.py", tmp_path / f"{name}.npy"
+    script.write_text(_DECODE_STEPS)
+    env = {**os.environ, "SHARKPORT_KEEP_IREE_TOPOLOGY": "1"} if iree_flags else None
+    subprocess.run([sys.executable, str(script), *map(str, module), str(out), *iree_flags], check=True, env=env,
+                   timeout=600)
+    return np.load(out)
+
+
+def test_blocks_compute_what_the_five_kernels_do_on_any_worker_count(kernel_module, quantized_tiny, monkeypatch,
+                                                                      tmp_path):
+    """The block kernels (a decode layer in two dispatches, each workgroup claiming the phases'
+    items and waiting for the rest) give bit for bit the logits of the five dispatches a layer
+    (attention block and FFN block left out), and so with IREE's workers at 1 (a block's
+    workgroups one after the other: the first does every item, the second finds them done) or 3
+    (more workers than workgroups) as with two: no wait needs another workgroup to run at once."""
+    from sharkport.archive import Dataset
+    from sharkport.compile import compile_mlir
+    from sharkport.export import export_model, save_export
+
+    vmfb, irpa, config_json, _ = kernel_module("q4_1")
+    monkeypatch.setattr(kernels, "attention_block", lambda *args, **kwargs: None)
+    monkeypatch.setattr(kernels, "ffn_block", lambda *args, **kwargs: None)
+    output, service = export_model(Dataset.load(irpa), dataclasses.replace(TINY_EXPORT, matvec_kernels=True))
+    save_export(output, service, tmp_path / "five.mlir", tmp_path / "five.json")
+    assert not re.search(r"sharkport_(attention|ffn)_block_", (tmp_path / "five.mlir").read_text())
+    compile_mlir(tmp_path / "five.mlir", tmp_path / "five.vmfb")
+
+    five = _decode_logits((tmp_path / "five.vmfb", irpa, tmp_path / "five.json"), tmp_path, "five")
+    assert np.abs(five).max() > 1  # logits, not zeros
+    for workers in (2, 1, 3):
+        got = _decode_logits((vmfb, irpa, config_json), tmp_path, f"blocks{workers}",
+                             f"--task_topology_group_count={workers}")
+        np.testing.assert_array_equal(got, five, err_msg=f"{workers} IREE workers")
 
 
 def test_q4_rows_are_interleaved_once_as_the_module_loads(kernel_module, quantized_tiny, monkeypatch, tmp_path):
@@ -579,12 +642,12 @@ def test_q4_rows_are_interleaved_once_as_the_module_loads(kernel_module, quantiz
     from sharkport.export import export_model, save_export
 
     interleaved = kernel_module("q4_1")[0].with_suffix(".mlir")
-    assert "sharkport_matvec_qkv_norm_q4_1x8" in interleaved.read_text()
+    assert "sharkport_attention_block_q4_1x8(" in interleaved.read_text()
     monkeypatch.setattr(kernels, "INTERLEAVED", {})
     output, service = export_model(Dataset.load(quantized_tiny("q4_1")[1]),
                                    dataclasses.replace(TINY_EXPORT, matvec_kernels=True))
     save_export(output, service, tmp_path / "stored.mlir", tmp_path / "stored.json")
-    assert "sharkport_matvec_qkv_norm_q4_1(" in (tmp_path / "stored.mlir").read_text()
+    assert "sharkport_attention_block_q4_1(" in (tmp_path / "stored.mlir").read_text()
     counts = [_decode_bs1_commands(m).count("@hal.command_buffer.dispatch")
               for m in (interleaved, tmp_path / "stored.mlir")]
     assert counts[0] == counts[1], f"decode_bs1 dispatches: {counts[0]} interleaved, {counts[1]} as stored"

@@ -10,6 +10,9 @@ or, for one matrix, plus a residual (`residual`), so that a llama layer's norms 
 take no dispatch of their own; decode attention over the paged cache with rotary and the
 new position's cache write (`decode_attention`), and prefill's causal attention of the prompt to
 its own K and V (`prefill_attention`; as IREE 3.9 compiles it, about 11% of SmolLM2's prefill).
+A llama decode layer takes two dispatches (`attention_block`: norm, q/k/v, attention, output
+product and residual; `ffn_block`: norm, SwiGLU, down product and residual), whose workgroups
+share out each phase's work and wait for each other inside the dispatch (matvec.c).
 With quantized weights it multiplies 8-bit integers, as llama.cpp does on CPUs: x is quantized
 per block of 32 values as gguf's Q8_0 quantizer does, so the product is that of the dequantized
 weights with the Q8_0-dequantized x (`quantized_x`), about 1e-3 relative from the float32
@@ -148,6 +151,21 @@ def _product(form: str, x, weights, norm=None, residual=None):
         return None
     if residual is not None and residual.dtype != torch.float32:
         return None
+    found = _kernel_planes(weights)
+    if found is None:
+        return None
+    kind, planes = found
+    from .ops import OPS
+
+    norm_weight, eps = ([norm[0]], [float(norm[1])]) if norm is not None else ([], [])
+    return OPS[kind, form](x, *norm_weight, *(p for each in planes for p in each),
+                           *([] if residual is None else [residual]), *eps)
+
+
+def _kernel_planes(weights):
+    """(the kernel type, each weight's planes in PLANES order) of weights one kernel multiplies
+    by, or None where their types differ or have no kernel: interleaved (INTERLEAVED) where every
+    matrix's row count is a multiple of 8."""
     kinds = {kernel_type(w) for w in weights}
     if len(kinds) != 1 or None in kinds:
         return None
@@ -155,11 +173,7 @@ def _product(form: str, x, weights, norm=None, residual=None):
     planes = [[w] if kind == "F16" else [w.planes[n] for n in PLANES[kind]] for w in weights]  # per weight
     if kind in INTERLEAVED and all(w.shape[0] % 8 == 0 for w in weights):
         kind, planes = INTERLEAVED[kind], [interleave_rows(p) for p in planes]
-    from .ops import OPS
-
-    norm_weight, eps = ([norm[0]], [float(norm[1])]) if norm is not None else ([], [])
-    return OPS[kind, form](x, *norm_weight, *(p for each in planes for p in each),
-                           *([] if residual is None else [residual]), *eps)
+    return kind, planes
 
 
 def interleave_rows(planes):
@@ -224,31 +238,124 @@ def decode_attention(q, k, v, cache_state, cache, layer, page_ids, start_positio
     < seq_lens → [B, 1, H, D]. Returns None, having written nothing, where the kernel does not
     apply: outside `enabled()`, a sliding window, soft-capping, q not in float32, a cache in
     neither float32 nor float16, shapes beyond MAX_GD / MAX_STRIDE."""
+    B, S, H, D = q.shape
+    shape = _attention_shape(B, S, H, D, q.dtype, cache_state, cache, rope, rope_layout, scale, window, logit_cap)
+    if shape is None:
+        return None
+    from .ops import attention_op
+
+    out = attention_op(shape)(q.reshape(B, H * D), k.reshape(B, -1), v.reshape(B, -1), cache_state, page_ids,
+                              start_positions, seq_lens, _layer_operand(layer, cache), *_rope_operands(rope, q))
+    return out.view(B, 1, H, D)
+
+
+def _attention_shape(B, S, H, D, dtype, cache_state, cache, rope, rope_layout, scale, window, logit_cap):
+    """The kernels.ops.AttentionShape of decode attention of B sequences' S query positions of H
+    heads of D, or None where the kernel does not apply (see decode_attention)."""
     import torch
 
-    B, S, H, D = q.shape
     element = {torch.float32: "f32", torch.float16: "f16"}.get(cache_state.dtype)  # of the kernels' cache
     G, rope_dim = H // cache.kv_heads, 2 * rope[0].shape[-1] if rope is not None else 0
-    if not (_enabled and isinstance(S, int) and S == 1 and q.dtype == torch.float32
+    if not (_enabled and isinstance(S, int) and S == 1 and dtype == torch.float32
             and element and not window and not logit_cap
             and D % 8 == 0 and G * D <= MAX_GD and cache.stride <= MAX_STRIDE and rope_dim <= D):
         return None
-    from .ops import AttentionShape, attention_op
+    from .ops import AttentionShape
 
-    shape = AttentionShape(H, cache.kv_heads, D, cache.block_count, cache.stride,
-                           D ** -0.5 if scale is None else float(scale), rope_dim, rope_layout, element,
-                           kv_heads_per_workgroup(B, cache.kv_heads, G * D))
-    cos, sin = (t.reshape(B, -1) for t in rope) if rope is not None else (q.reshape(B, -1),) * 2  # unread
-    # The layer as a tensor operand (one traced block may serve every layer). A constant layer is
-    # given with the layer count after it: IREE fills a one-value constant by a dispatch on every
-    # call (a splat), and keeps a two-value one in the module's constants.
+    return AttentionShape(H, cache.kv_heads, D, cache.block_count, cache.stride,
+                          D ** -0.5 if scale is None else float(scale), rope_dim, rope_layout, element,
+                          kv_heads_per_workgroup(B, cache.kv_heads, G * D))
+
+
+def _layer_operand(layer, cache):
+    """The cache layer as the attention kernels take it: a tensor operand (one traced block may
+    serve every layer) [2] of the layer and the layer count. A constant layer is given with the
+    layer count after it: IREE fills a one-value constant by a dispatch on every call (a splat),
+    and keeps a two-value one in the module's constants."""
+    import torch
+
     if isinstance(layer, torch.Tensor):
-        layer = torch.stack([layer.reshape(()), torch.tensor(cache.block_count)])
-    else:
-        layer = torch.tensor([layer, cache.block_count])
-    out = attention_op(shape)(q.reshape(B, H * D), k.reshape(B, -1), v.reshape(B, -1), cache_state, page_ids,
-                              start_positions, seq_lens, layer, cos, sin)
-    return out.view(B, 1, H, D)
+        return torch.stack([layer.reshape(()), torch.tensor(cache.block_count)])
+    return torch.tensor([layer, cache.block_count])
+
+
+def _rope_operands(rope, like):
+    """cos and sin [B, R/2] as the attention kernels take them (`like`'s rows, unread, without rotary)."""
+    B = like.shape[0]
+    return tuple(t.reshape(B, -1) for t in rope) if rope is not None else (like.reshape(B, -1),) * 2
+
+
+# ---- a decode layer in two dispatches (matvec.c's block kernels) ----
+
+# int32 counters of a block dispatch (matvec.c's COUNTERS): two a phase and one of the workgroups
+# that left, COUNTER_STRIDE (16) apart
+BLOCK_COUNTERS = 7 * 16
+
+
+def _block_rows(h, norm):
+    """h [..., E] as the rows [M, E] a block kernel takes, with `norm` (weight [E], eps) inside
+    it; None where none applies (see decode_rows, MAX_K, MAX_NORMED)."""
+    import torch
+
+    rows = h.reshape(-1, h.shape[-1])
+    M, E = rows.shape
+    if not (decode_rows(rows) and E <= MAX_K and isinstance(E, int) and M * E <= MAX_NORMED
+            and norm[0].dtype == torch.float32 and tuple(norm[0].shape) == (E,)):
+        return None
+    return rows
+
+
+def ffn_block(h, norm, gate, up, down):
+    """h + down(silu(n(h) gate^T) * (n(h) up^T)) → h's shape, n(h) being h RMS-normalized by `norm`
+    (weight [E], eps): llama's feed-forward with its norm and residual add in one kernel dispatch
+    (matvec.c's sharkport_ffn_block_<type>, its products' work shared out by the workgroups in two
+    phases), or None where it does not apply: outside `enabled()`, matrices of differing or other
+    types, shapes beyond the products' (MAX_K, MAX_NORMED)."""
+    import torch
+
+    rows = _block_rows(h, norm)
+    found = rows is not None and _kernel_planes([gate, up, down])
+    M, E = rows.shape if rows is not None else (0, 0)
+    I = gate.shape[0]
+    if not found or tuple(up.shape) != (I, E) or tuple(down.shape) != (E, I) or I > MAX_K:
+        return None
+    kind, planes = found
+    from .ops import BlockShape, block_op
+
+    shape = BlockShape("ffn", kind, M, E, I, float(norm[1]))
+    y = block_op(shape)(rows, norm[0], *(p for each in planes for p in each))
+    return y[:M * E].view(h.shape)
+
+
+def attention_block(h, norm, wq, wk, wv, wo, cache_state, cache, layer, page_ids, start_positions, seq_lens,
+                    heads: int, head_dim: int, rope=None, rope_layout: str = "interleaved",
+                    scale: float | None = None, window: int = 0, logit_cap: float = 0.0):
+    """h + o(attention(q, k, v)) → h's shape, where q, k, v are the products of h [B, 1, E]
+    RMS-normalized by `norm` (weight [E], eps) with wq, wk, wv and the attention is
+    decode_attention's (rotary, the cache write, `heads` query heads of `head_dim`): llama's
+    attention with its norm and residual add in one kernel dispatch (matvec.c's
+    sharkport_attention_block_<type>, in three phases), or None, having written nothing, where it
+    does not apply (see ffn_block and decode_attention)."""
+    import torch
+
+    rows = _block_rows(h, norm)
+    if rows is None:
+        return None
+    M, E = rows.shape
+    shape = _attention_shape(M, 1, heads, head_dim, rows.dtype, cache_state, cache, rope, rope_layout, scale, window,
+                             logit_cap)
+    found = shape is not None and _kernel_planes([wq, wk, wv, wo])
+    kv = cache.kv_heads * head_dim
+    if not found or [tuple(w.shape) for w in (wq, wk, wv, wo)] != [(heads * head_dim, E), (kv, E), (kv, E),
+                                                                     (E, heads * head_dim)]:
+        return None
+    kind, (q, k, v, o) = found
+    from .ops import BlockShape, block_op
+
+    block = BlockShape("attention", kind, M, E, 0, float(norm[1]), shape)
+    y = block_op(block)(rows, norm[0], *q, *k, *v, cache_state, page_ids, start_positions, seq_lens,
+                        _layer_operand(layer, cache), *_rope_operands(rope, rows), *o)
+    return y[:M * E].view(h.shape)
 
 
 def kv_heads_per_workgroup(batch: int, kv_heads: int, gd: int) -> int:

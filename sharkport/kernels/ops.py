@@ -12,7 +12,7 @@ from iree.turbine.runtime.op_reg import CustomOp, KernelBuilder, KernelSelection
 
 from ..archive.tensors import QuantizedTensor
 from ..mlir_ops import call_mlir_function
-from . import (MAX_ROWS_PER_WORKGROUP, PLANES, ROW_QUANTUM, SIZES, STORED, deinterleave_rows, object_path,
+from . import (BLOCK_COUNTERS, MAX_ROWS_PER_WORKGROUP, PLANES, ROW_QUANTUM, SIZES, STORED, deinterleave_rows, object_path,
                quantized_x, workgroups)
 
 
@@ -506,3 +506,226 @@ def prefill_attention_op(shape: PrefillShape):
 
     Op.__name__ = shape.name
     return CustomOp.register(library=_LIBRARY)(Op)
+
+
+# ---- a decode layer in two dispatches (matvec.c's sharkport_attention_block_<type> and
+#      sharkport_ffn_block_<type>) ----
+
+@dataclass(frozen=True)
+class BlockShape:
+    """What a block op is specialised for (baked into its MLIR as constants): the attention block
+    (norm, q/k/v product, decode attention, output product, residual add) or the FFN block (norm,
+    SwiGLU's products, the down product, residual add) of M rows of h [M, E]."""
+    form: str  # "attention" or "ffn"
+    kind: str  # the matrices' kernel type (a key of PLANES)
+    rows: int  # M
+    width: int  # E
+    inner: int  # the FFN's gate rows I (0 for attention)
+    eps: float  # of the norm
+    attention: AttentionShape | None = None
+
+    @property
+    def name(self) -> str:
+        sizes = f"_i{self.inner}" if self.form == "ffn" else self.attention.name.removeprefix("sharkport_decode_attention")
+        return (f"sharkport_{self.form}_block_{self.kind.lower()}_m{self.rows}_e{self.width}"
+                f"_n{_float_bits(self.eps):08x}{sizes}_wg{workgroups()}")
+
+    @property
+    def c_name(self) -> str:
+        return f"sharkport_{self.form}_block_{self.kind.lower()}{self.attention.c_suffix if self.attention else ''}"
+
+    @property
+    def operands(self) -> list[str]:
+        """The op's tensor operands in order (planes as <matrix>_<plane>)."""
+        def planes(matrix):
+            return [f"{matrix}_{p}" for p in PLANES[self.kind]]
+        if self.form == "ffn":
+            return ["x", "g", *planes("gate"), *planes("up"), *planes("down")]
+        return ["x", "g", *planes("q"), *planes("k"), *planes("v"), "cache", "pages", "starts", "lens", "layer",
+                "cos", "sin", *planes("o")]
+
+    @property
+    def tied(self) -> list[str]:
+        """Operands the dispatch updates in place, in the order of their results."""
+        return [] if self.form == "ffn" else ["cache"]
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """The dispatch's result, per row of h: the output, then the intermediates (FFN: silu(g) *
+        u; attention: q, k, v, then the attention's output)."""
+        if self.form == "ffn":
+            return self.width, self.inner
+        a = self.attention
+        q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
+        return self.width, q, kv, kv, q
+
+    def constants(self) -> list[tuple[str, str]]:
+        """The C function's constant arguments after its memrefs (and the attention's page
+        columns), as (MLIR value, type)."""
+        def index(v):
+            return str(v), "index"
+        last = [(f"0x{_float_bits(self.eps):08X}", "f32"), index(workgroups())]
+        if self.form == "ffn":
+            return [index(self.rows), index(self.width), index(self.inner), index(_item_rows(self.inner)),
+                    index(_item_rows(self.width)), *last]
+        _, q, kv, _, _ = self.widths
+        return [index(self.rows), index(self.width),
+                *_constants(self.attention, "H", "Hkv", "D", "L", "stride", "R", "interleaved", "hpw", "scale"),
+                index(_item_rows(q + 2 * kv)), index(_item_rows(self.width)), *last]
+
+
+def _item_rows(n: int) -> int:
+    """Outputs an item of a block's product with n outputs takes: as a product's workgroup
+    (kernels.ROW_QUANTUM)."""
+    quantum = ROW_QUANTUM * workgroups()
+    return min(-(-n // quantum) * ROW_QUANTUM, MAX_ROWS_PER_WORKGROUP)
+
+
+def _block_module(shape: BlockShape, arg_types: list[tuple[int, str]], sizes: list[int | None]) -> str:
+    """MLIR module text of util.func `shape.name` over the op's tensors (`arg_types`: rank and
+    element type; `sizes`: each one's element count where static, else None), dispatching the C
+    function over workgroups() workgroups. Its results are a new flat float32 tensor (the block's
+    output, then its intermediates) and the tied operands (the cache), updated in place. The
+    dispatch's phase counters (kernels.BLOCK_COUNTERS int32) are a global of the module's own,
+    zero at first, which the dispatch updates in place and leaves zeroed (matvec.c's `leave`): no
+    fill before each call. The C function takes each operand's memref, the counters' and the
+    result's, then the attention's page columns, the shape's constants and the workgroup id; the
+    dynamic element counts are the dispatch's only operands besides the tensors."""
+    name, n = shape.name, len(arg_types)
+    names = shape.operands
+    types = [_tensor_type(r, e) for r, e in arg_types]
+    elements = [e for _, e in arg_types] + ["i32", "f32"]  # the counters, the result
+    memrefs = ", ".join(_memref(e) for e in elements)
+    total = shape.rows * sum(shape.widths)
+    counters = f"tensor<{BLOCK_COUNTERS}xi32>"
+    dynamic = [i for i, s in enumerate(sizes) if s is None]
+    paged = shape.form == "attention"
+    entry_args = [f"%n{i}: index" for i in dynamic] + (["%blocks: index"] if paged else [])
+    static = [(i, s) for i, s in enumerate(sizes) if s is not None] + [(n, BLOCK_COUNTERS), (n + 1, total)]
+    size_ops = "\n".join(f"        %n{i} = arith.constant {s} : index" for i, s in static)
+    subspans = "\n".join(f"        %s{i} = stream.binding.subspan %b{i}[%c0] : !stream.binding -> {_memref(e)}{{%n{i}}}"
+                         for i, e in enumerate(elements))
+    constants = shape.constants()
+    constant_ops = "\n".join(f"        %k{i} = arith.constant {value} : {t}" for i, (value, t) in enumerate(constants))
+    call_types = ", ".join([memrefs] + (["index"] if paged else []) + [t for _, t in constants] + ["index"])
+    call_args = ", ".join([f"%s{i}" for i in range(len(elements))] + (["%blocks"] if paged else [])
+                          + [f"%k{i}" for i in range(len(constants))] + ["%wg"])
+    dims = [[f"%a{i}d{j}" for j in range(rank)] for i, (rank, _) in enumerate(arg_types)]
+    dim_ops = "\n".join(f"    {d} = tensor.dim %a{i}, %c{j} : {types[i]}" for i, ds in enumerate(dims)
+                        for j, d in enumerate(ds))
+    count_ops = []  # %n<i>: the element count of dynamic operand i
+    for i in dynamic:
+        count_ops.append(f"    %n{i}_0 = arith.addi {dims[i][0]}, %c0 : index")
+        count_ops += [f"    %n{i}_{j} = arith.muli %n{i}_{j - 1}, {d} : index" for j, d in enumerate(dims[i][1:], 1)]
+        count_ops.append(f"    %n{i} = arith.addi %n{i}_{len(dims[i]) - 1}, %c0 : index")
+    operands = ", ".join([f"{types[i]}{{{', '.join(ds)}}}" for i, ds in enumerate(dims)] + [counters])
+    # A tied result's first dim is computed anew (its elements over its other dims), not taken
+    # from the operand: see _paged_module (the cache would be copied in and out of every call).
+    tied = [names.index(t) for t in shape.tied]
+    tied_ops, tied_results = [], []
+    for i in tied:
+        rest = dims[i][1:]
+        tied_ops.append(f"    %t{i}_rest_0 = arith.addi %c1, %c0 : index")
+        tied_ops += [f"    %t{i}_rest_{j} = arith.muli %t{i}_rest_{j - 1}, {d} : index" for j, d in enumerate(rest, 1)]
+        tied_ops.append(f"    %t{i}_rows = arith.divui %n{i}, %t{i}_rest_{len(rest)} : index")
+        tied_results.append(f"%a{i}{{{', '.join([f'%t{i}_rows'] + rest)}}}")
+    result_types = ", ".join(["tensor<?xf32>"] + [types[i] for i in tied])
+    results = ", ".join(["tensor<?xf32>{%total}"] + tied_results + ["%counters"])
+    extra = [f"%n{i}" for i in dynamic] + ([dims[names.index("pages")][1]] if paged else [])
+    returned = ", ".join(f"%y#{i}" for i in range(1 + len(tied)))
+    return f"""
+module {{
+  util.global private mutable @{name}_counters = dense<0> : {counters}
+  stream.executable private @{name}_executable attributes {{{_objects()}}} {{
+    stream.executable.export public @{name}_entry workgroups(%w: index) -> (index, index, index) {{
+      %c1 = arith.constant 1 : index
+      stream.return %w, %c1, %c1 : index, index, index
+    }}
+    builtin.module {{
+      func.func private @{shape.c_name}({call_types}) attributes {{hal.import.static}}
+      func.func @{name}_entry({", ".join([f"%b{i}: !stream.binding" for i in range(len(elements))] + entry_args)}) {{
+        %c0 = arith.constant 0 : index
+        %wg = hal.interface.workgroup.id[0] : index
+{size_ops}
+{subspans}
+{constant_ops}
+        func.call @{shape.c_name}({call_args}) : ({call_types}) -> ()
+        return
+      }}
+    }}
+  }}
+  util.func private @{name}({", ".join(f"%a{i}: {t}" for i, t in enumerate(types))}) -> ({result_types}) {{
+    %c0 = arith.constant 0 : index
+    %c1 = arith.constant 1 : index
+    %c2 = arith.constant 2 : index
+    %c3 = arith.constant 3 : index
+{dim_ops}
+{chr(10).join(count_ops)}
+{chr(10).join(tied_ops)}
+    %total = arith.constant {total} : index
+    %wgs = arith.constant {workgroups()} : index
+    %counters = util.global.load @{name}_counters : {counters}
+    %y:{2 + len(tied)} = flow.dispatch @{name}_executable::@{name}_entry[%wgs]({", ".join([f"%a{i}" for i in range(n)] + ["%counters"] + extra)}) : ({operands}{", index" * len(extra)}) -> ({results})
+    util.global.store %y#{1 + len(tied)}, @{name}_counters : {counters}
+    util.return {returned} : {result_types}
+  }}
+}}"""
+
+
+def _block_eager(shape: BlockShape, *args) -> torch.Tensor:
+    """The block in torch, as the kernels it fuses compute it: the products as _eager, the
+    attention as _attention_eager (which writes the cache in place). Its result is the block's
+    output, then its intermediates, flattened."""
+    x, g, *rest = args
+    per = len(PLANES[shape.kind])
+    if shape.form == "ffn":
+        gate_up, down = rest[:2 * per], rest[2 * per:3 * per]
+        act = _eager(shape.kind, FORMS["swiglu_norm"], x, g, *gate_up, shape.eps)
+        y = _eager(shape.kind, FORMS["matvec_add"], act, *down, x)
+        return torch.cat([y.flatten(), act.flatten()])
+    qkv_planes, (cache, pages, starts, lens, layer, cos, sin), o = rest[:3 * per], rest[3 * per:3 * per + 7], \
+        rest[3 * per + 7:4 * per + 7]
+    qkv = _eager(shape.kind, FORMS["qkv_norm"], x, g, *qkv_planes, shape.eps).flatten()
+    M, (_, nq, nkv, _, _) = shape.rows, shape.widths
+    q, k, v = (part.view(M, -1) for part in qkv.split([M * nq, M * nkv, M * nkv]))
+    att = _attention_eager(shape.attention, q, k, v, cache, pages, starts, lens, layer, cos, sin)
+    y = _eager(shape.kind, FORMS["matvec_add"], att, *o, x)
+    return torch.cat([y.flatten(), qkv, att.flatten()])
+
+
+@functools.cache
+def block_op(shape: BlockShape):
+    """The turbine op for a block of `shape`: op(*operands as BlockShape.operands) -> the flat
+    result (BlockShape.widths per row of h), updating the cache (attention) and the counters (which
+    it takes zeroed) in place."""
+    operands = shape.operands
+    args = ", ".join(f"Tensor{'(a!)' if n in shape.tied else ''} {n}" for n in operands)
+
+    class Op(CustomOp):
+        signature = f"{shape.name}({args}) -> (Tensor)"
+
+        def select(self, ksel: KernelSelection):
+            for i, n in enumerate(operands):
+                ksel.arg_tensor(i, inplace_tied=n in shape.tied)
+            ksel.return_new_tensor([shape.rows * sum(shape.widths)], torch.float32)
+
+        def eager_execute(self, *args):
+            return _block_eager(shape, *args)
+
+        def generate(self, ksel: KernelSelection, kb: KernelBuilder):
+            from iree.turbine.support.ir_imports import RankedTensorType
+
+            types = [RankedTensorType(value.type) for value in kb.arg_bindings if value is not None]
+            arg_types = [(t.rank, str(t.element_type)) for t in types]
+            sizes = [_static_elements(ksel.arg_descs[i].t) for i in range(len(operands))]
+            call_mlir_function(kb, shape.name, lambda: _block_module(shape, arg_types, sizes))
+
+    Op.__name__ = shape.name
+    return CustomOp.register(library=_LIBRARY)(Op)
+
+
+def _static_elements(t: torch.Tensor) -> int | None:
+    """t's element count where its shape is static, else None."""
+    if not all(isinstance(d, int) for d in t.shape):
+        return None
+    return int(torch.Size(t.shape).numel())

@@ -92,6 +92,9 @@ class PagedAttention(torch.nn.Module):
                residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, 1, E] at start_positions; attends to the cached positions < seq_lens (and within
         the window)."""
+        y = self._decode_block(x, rope, cache_state, seq_block_ids, start_positions, seq_lens, residual)
+        if y is not None:  # export --matvec-kernels: the whole of it, norm and residual add too, in one dispatch
+            return y
         q, k, v = self._qkv(x)
         c = self.config
         a = kernels.decode_attention(q, k, v, cache_state, self.cache, self.layer, seq_block_ids, start_positions,
@@ -103,3 +106,15 @@ class PagedAttention(torch.nn.Module):
         k_all, v_all = self.cache.read(cache_state, self.layer, seq_block_ids, q.dtype)
         mask = length_mask(seq_lens, k_all.shape[1], q.dtype, self.config.window)
         return self._attend(q, k_all, v_all, mask, residual)
+
+    def _decode_block(self, x, rope, cache_state, seq_block_ids, start_positions, seq_lens, residual):
+        """decode's result by kernels.attention_block (one dispatch), or None where it does not
+        apply: x not normed or the residual not x's input, biases, Q/K norms, a fused QKV."""
+        t, c = self.theta, self.config
+        names = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")
+        if not (isinstance(x, Normed) and residual is x.x and c.qk_norm_eps is None and all(n in t for n in names)
+                and not any(f"attn_{p}.bias" in t for p in ("q", "k", "v", "output"))):
+            return None
+        return kernels.attention_block(x.x, (x.w, x.eps), *(t[n] for n in names), cache_state, self.cache, self.layer,
+                                       seq_block_ids, start_positions, seq_lens, c.heads, c.head_dim, rope,
+                                       c.rope_layout, c.scale, c.window, c.logit_cap)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from ..archive.tensors import Theta
 from ..ops import Normed, expert, gelu_tanh, linear, materialized, silu_gate
 
@@ -19,6 +20,10 @@ class SwiGLU(torch.nn.Module):
 
     def forward(self, x: torch.Tensor | Normed, residual: torch.Tensor | None = None) -> torch.Tensor:
         t = self.theta
+        if self.activation is F.silu and isinstance(x, Normed) and residual is x.x:
+            y = kernels.ffn_block(x.x, (x.w, x.eps), t["ffn_gate.weight"], t["ffn_up.weight"], t["ffn_down.weight"])
+            if y is not None:  # export --matvec-kernels, decode: the norm, products and residual add in one dispatch
+                return y
         if self.activation is F.silu:
             h = silu_gate(x, t["ffn_gate.weight"], t["ffn_up.weight"])
         else:

@@ -50,8 +50,8 @@ class Llama(CausalLM):
         """One block over weights `t` (blk.{i}.*), its K/V in cache layer `layer` (see run_blocks).
         `attend(attention, x, residual)` runs the attention on x and adds the residual. The norms
         go into the products after them and the residual adds into the products before them
-        (ops.normed, linear's residual): decode's matvec kernels take both, and with the cache
-        write inside attention a layer is five dispatches."""
+        (ops.normed, linear's residual): decode's matvec kernels take both, and the attention and
+        FFN blocks (kernels.attention_block, kernels.ffn_block) make a layer two dispatches."""
         hp = self.hp
         attention = PagedAttention(t, self.attention_config, self.cache, layer)
         ffn = MixtureOfExperts(t, hp.expert_count, hp.expert_used_count) if hp.expert_count else SwiGLU(t)
