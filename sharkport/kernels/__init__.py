@@ -56,12 +56,16 @@ MAX_K = 32 * 512  # longest rows of w: a workgroup keeps x quantized (MAX_K byte
 MAX_NORMED = 8192
 # decode attention: query heads per kv head times head_dim, and positions per page, it takes
 MAX_GD, MAX_STRIDE = 2048, 256
+# int32 phase counters of a block dispatch (matvec.c's BLOCK_COUNTERS, COUNTER_STRIDE = 16 apart):
+# two a phase (at most three phases) and one of the workgroups that left
+BLOCK_COUNTERS = 7 * 16
 # prefill attention: the longest head, and query heads per kv head times head_dim, it takes
 PREFILL_MAX_D, PREFILL_MAX_GD = 256, 1024  # matvec.c's PA_MAX_D, PA_MAX_GD
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffreestanding", "-fPIC", "-fno-stack-protector",
           "-fno-asynchronous-unwind-tables", "-fno-plt", "-fvisibility=hidden", "-std=c11",
           f"-DMAX_BLOCKS={MAX_K // 32}", f"-DXQ_BYTES={MAX_K}",
-          f"-DXN_FLOATS={MAX_NORMED}", f"-DMAX_GD={MAX_GD}", f"-DMAX_STRIDE={MAX_STRIDE}"]
+          f"-DXN_FLOATS={MAX_NORMED}", f"-DMAX_GD={MAX_GD}", f"-DMAX_STRIDE={MAX_STRIDE}",
+          f"-DBLOCK_COUNTERS={BLOCK_COUNTERS}"]
 # Instruction sets the object is built for (isa()): "avx2" runs on any x86-64 CPU of the last
 # decade; "avx512" adds AVX-512 with VNNI, for which matvec.c's interleaved products run 64-byte
 # vectors and `vpdpbusd` (q4_x8_zmm, q8_x8_zmm). /proc/cpuinfo's names of the features it needs.
@@ -287,11 +291,6 @@ def _rope_operands(rope, like):
 
 # ---- a decode layer in two dispatches (matvec.c's block kernels) ----
 
-# int32 counters of a block dispatch (matvec.c's COUNTERS): two a phase and one of the workgroups
-# that left, COUNTER_STRIDE (16) apart
-BLOCK_COUNTERS = 7 * 16
-
-
 def _block_rows(h, norm):
     """h [..., E] as the rows [M, E] a block kernel takes, with `norm` (weight [E], eps) inside
     it; None where none applies (see decode_rows, MAX_K, MAX_NORMED)."""
@@ -299,7 +298,7 @@ def _block_rows(h, norm):
 
     rows = h.reshape(-1, h.shape[-1])
     M, E = rows.shape
-    if not (decode_rows(rows) and E <= MAX_K and isinstance(E, int) and M * E <= MAX_NORMED
+    if not (decode_rows(rows) and isinstance(E, int) and E <= MAX_K and M * E <= MAX_NORMED
             and norm[0].dtype == torch.float32 and tuple(norm[0].shape) == (E,)):
         return None
     return rows
@@ -311,12 +310,11 @@ def ffn_block(h, norm, gate, up, down):
     (matvec.c's sharkport_ffn_block_<type>, its products' work shared out by the workgroups in two
     phases), or None where it does not apply: outside `enabled()`, matrices of differing or other
     types, shapes beyond the products' (MAX_K, MAX_NORMED)."""
-    import torch
-
     rows = _block_rows(h, norm)
-    found = rows is not None and _kernel_planes([gate, up, down])
-    M, E = rows.shape if rows is not None else (0, 0)
-    I = gate.shape[0]
+    if rows is None:
+        return None
+    (M, E), I = rows.shape, gate.shape[0]
+    found = _kernel_planes([gate, up, down])
     if not found or tuple(up.shape) != (I, E) or tuple(down.shape) != (E, I) or I > MAX_K:
         return None
     kind, planes = found
@@ -336,8 +334,6 @@ def attention_block(h, norm, wq, wk, wv, wo, cache_state, cache, layer, page_ids
     attention with its norm and residual add in one kernel dispatch (matvec.c's
     sharkport_attention_block_<type>, in three phases), or None, having written nothing, where it
     does not apply (see ffn_block and decode_attention)."""
-    import torch
-
     rows = _block_rows(h, norm)
     if rows is None:
         return None
@@ -516,7 +512,8 @@ def _mapped(mlir_path: str | os.PathLike):
 def referenced_by(mlir_path: str | os.PathLike) -> bool:
     """Whether an MLIR file calls the kernels (so iree-compile needs their object)."""
     with _mapped(mlir_path) as m:
-        return any(m.find(symbol) >= 0 for symbol in (b"sharkport_matvec_", b"sharkport_decode_", b"sharkport_prefill_"))
+        return any(m.find(symbol) >= 0 for symbol in (b"sharkport_matvec_", b"sharkport_decode_", b"sharkport_prefill_",
+                                                      b"sharkport_attention_block_", b"sharkport_ffn_block_"))
 
 
 def objects_named_by(mlir_path: str | os.PathLike) -> set[str]:

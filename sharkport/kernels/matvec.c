@@ -1332,17 +1332,20 @@ void sharkport_prefill_attention(MEMREF(const float, q), MEMREF(const float, k),
 // logits bit-identical): bs1 1.897 -> 1.781 ms, bs4 2.905 -> 2.778.
 #define COUNTER_STRIDE 16
 
+_Static_assert(BLOCK_COUNTERS >= 7 * COUNTER_STRIDE, "three phases' counters and the one of those that left");
+
 // After its last phase each workgroup leaves, and the last of the `workgroups` to leave zeroes the
-// counters (COUNTERS of them, the last line counting those that left) for the dispatch's next call.
-#define COUNTERS (7 * COUNTER_STRIDE)
+// counters (BLOCK_COUNTERS of them, from CFLAGS; the last line counts those that left) for the
+// dispatch's next call.
 INLINE void leave(int32_t *counters, size_t workgroups) {
-  int32_t *left = counters + COUNTERS - COUNTER_STRIDE;
+  int32_t *left = counters + BLOCK_COUNTERS - COUNTER_STRIDE;
   if ((size_t)__atomic_add_fetch(left, 1, __ATOMIC_ACQ_REL) == workgroups)
-    for (size_t i = 0; i < COUNTERS; ++i) __atomic_store_n(counters + i, 0, __ATOMIC_RELAXED);
+    for (size_t i = 0; i < BLOCK_COUNTERS; ++i) __atomic_store_n(counters + i, 0, __ATOMIC_RELAXED);
 }
 
 INLINE size_t claim_item(int32_t *claimed) { return (size_t)__atomic_fetch_add(claimed, 1, __ATOMIC_RELAXED); }
 INLINE void finish_item(int32_t *finished) { __atomic_fetch_add(finished, 1, __ATOMIC_RELEASE); }
+
 // What a workgroup fetches while it waits at the end of a phase: the weights of the next phase's
 // first item (up to three planes), which it will likely claim, being the first to go on.
 typedef struct {
@@ -1406,59 +1409,59 @@ NOINLINE void attention_item(const int f16, const float *q, const float *knew, c
 // output projection's; the FFN block's: gate's, up's, down's), h [M, E], y [M, E] and then the
 // intermediates; `rows_*`: outputs an item of each product. The attention block's cache of
 // element type C (uint16_t: float16) and its other operands are decode attention's.
-#define DEFINE_BLOCK_KERNELS(T, lower)                                                                              \
-  NOINLINE void concat_item_##lower(const float *x, const float *g, float eps, const matrix *w, size_t count,       \
-                                    const float *r, float *y, size_t M, size_t N, size_t K, size_t rows,            \
-                                    size_t item) {                                                                  \
-    matvec(T, CONCAT, x, g, eps, w, count, r, y, M, N, K, rows, item);                                              \
-  }                                                                                                                 \
-  NOINLINE void swiglu_item_##lower(const float *x, const float *g, float eps, const matrix *w, float *y, size_t M, \
-                                    size_t N, size_t K, size_t rows, size_t item) {                                 \
-    matvec(T, SWIGLU, x, g, eps, w, 2, 0, y, M, N, K, rows, item);                                                  \
-  }                                                                                                                 \
-  void sharkport_ffn_block_##lower(MEMREF(const float, x), MEMREF(const float, g), ARGS_##T(a), ARGS_##T(b),        \
-                                   ARGS_##T(c), MEMREF(int32_t, phase_counters), MEMREF(float, y), size_t M, size_t E,    \
-                                   size_t I, size_t rows_up, size_t rows_down, float eps, size_t workgroups,      \
-                                   size_t wg) {                                                                     \
-    (void)wg;                                                                                                       \
-    matrix gate_up[2] = {MAT_##T(a, I), MAT_##T(b, I)}, down[1] = {MAT_##T(c, E)};                                  \
-    const float *h = BASE(x);                                                                                       \
-    float *out = BASE(y), *act = out + M * E;                                                                       \
+#define DEFINE_BLOCK_KERNELS(T, lower)                                                                               \
+  NOINLINE void concat_item_##lower(const float *x, const float *g, float eps, const matrix *w, size_t count,        \
+                                    const float *r, float *y, size_t M, size_t N, size_t K, size_t rows,             \
+                                    size_t item) {                                                                   \
+    matvec(T, CONCAT, x, g, eps, w, count, r, y, M, N, K, rows, item);                                               \
+  }                                                                                                                  \
+  NOINLINE void swiglu_item_##lower(const float *x, const float *g, float eps, const matrix *w, float *y, size_t M,  \
+                                    size_t N, size_t K, size_t rows, size_t item) {                                  \
+    matvec(T, SWIGLU, x, g, eps, w, 2, 0, y, M, N, K, rows, item);                                                   \
+  }                                                                                                                  \
+  void sharkport_ffn_block_##lower(MEMREF(const float, x), MEMREF(const float, g), ARGS_##T(a), ARGS_##T(b),         \
+                                   ARGS_##T(c), MEMREF(int32_t, phase_counters), MEMREF(float, y), size_t M, size_t E, \
+                                   size_t I, size_t rows_up, size_t rows_down, float eps, size_t workgroups,         \
+                                   size_t wg) {                                                                      \
+    (void)wg;                                                                                                        \
+    matrix gate_up[2] = {MAT_##T(a, I), MAT_##T(b, I)}, down[1] = {MAT_##T(c, E)};                                   \
+    const float *h = BASE(x);                                                                                        \
+    float *out = BASE(y), *act = out + M * E;                                                                        \
     int32_t *counters = BASE(phase_counters);                                                                        \
     const upcoming nothing = {{0}, {0}};                                                                             \
     PHASE(counters, 0, ITEMS(I, rows_up), swiglu_item_##lower(h, BASE(g), eps, gate_up, act, M, I, E, rows_up, item), \
-          first_rows(T, down, rows_down, I))                                                                        \
+          first_rows(T, down, rows_down, I))                                                                         \
     PHASE(counters, 1, ITEMS(E, rows_down), concat_item_##lower(act, 0, 0, down, 1, h, out, M, E, I, rows_down, item), \
-          nothing)                                                                                                  \
-    leave(counters, workgroups);                                                                                    \
-  }                                                                                                                 \
-  ATTENTION_BLOCK(T, lower, float, 0, )                                                                             \
+          nothing)                                                                                                   \
+    leave(counters, workgroups);                                                                                     \
+  }                                                                                                                  \
+  ATTENTION_BLOCK(T, lower, float, 0, )                                                                              \
   ATTENTION_BLOCK(T, lower, uint16_t, 1, _f16)
-#define ATTENTION_BLOCK(T, lower, C, f16, suffix)                                                                   \
-  void sharkport_attention_block_##lower##suffix(                                                                   \
-      MEMREF(const float, x), MEMREF(const float, g), ARGS_##T(a), ARGS_##T(b), ARGS_##T(c), MEMREF(C, cache),      \
-      MEMREF(const int64_t, pages), MEMREF(const int64_t, starts), MEMREF(const int64_t, lens),                     \
-      MEMREF(const int64_t, layer), MEMREF(const float, rcos), MEMREF(const float, rsin), ARGS_##T(o),              \
-      MEMREF(int32_t, phase_counters), MEMREF(float, y), size_t blocks, size_t M, size_t E, size_t H, size_t Hkv,         \
-      size_t D, size_t L, size_t stride, size_t R, size_t interleaved, size_t hpw, float scale, size_t rows_qkv,    \
-      size_t rows_o, float eps, size_t workgroups, size_t wg) {                                                     \
-    (void)wg;                                                                                                       \
-    size_t Nq = H * D, Nkv = Hkv * D, Nqkv = Nq + 2 * Nkv;                                                          \
-    matrix qkv_w[3] = {MAT_##T(a, Nq), MAT_##T(b, Nkv), MAT_##T(c, Nkv)}, o_w[1] = {MAT_##T(o, E)};                 \
-    const float *h = BASE(x);                                                                                       \
-    float *out = BASE(y), *qkv = out + M * E, *att = qkv + M * Nqkv;                                                \
+#define ATTENTION_BLOCK(T, lower, C, f16, suffix)                                                                    \
+  void sharkport_attention_block_##lower##suffix(                                                                    \
+      MEMREF(const float, x), MEMREF(const float, g), ARGS_##T(a), ARGS_##T(b), ARGS_##T(c), MEMREF(C, cache),       \
+      MEMREF(const int64_t, pages), MEMREF(const int64_t, starts), MEMREF(const int64_t, lens),                      \
+      MEMREF(const int64_t, layer), MEMREF(const float, rcos), MEMREF(const float, rsin), ARGS_##T(o),               \
+      MEMREF(int32_t, phase_counters), MEMREF(float, y), size_t blocks, size_t M, size_t E, size_t H, size_t Hkv,    \
+      size_t D, size_t L, size_t stride, size_t R, size_t interleaved, size_t hpw, float scale, size_t rows_qkv,     \
+      size_t rows_o, float eps, size_t workgroups, size_t wg) {                                                      \
+    (void)wg;                                                                                                        \
+    size_t Nq = H * D, Nkv = Hkv * D, Nqkv = Nq + 2 * Nkv;                                                           \
+    matrix qkv_w[3] = {MAT_##T(a, Nq), MAT_##T(b, Nkv), MAT_##T(c, Nkv)}, o_w[1] = {MAT_##T(o, E)};                  \
+    const float *h = BASE(x);                                                                                        \
+    float *out = BASE(y), *qkv = out + M * E, *att = qkv + M * Nqkv;                                                 \
     int32_t *counters = BASE(phase_counters);                                                                        \
     const upcoming nothing = {{0}, {0}};                                                                             \
-    PHASE(counters, 0, ITEMS(Nqkv, rows_qkv),                                                                       \
-          concat_item_##lower(h, BASE(g), eps, qkv_w, 3, 0, qkv, M, Nqkv, E, rows_qkv, item), nothing)              \
-    PHASE(counters, 1, M * (Hkv / hpw),                                                                             \
-          attention_item(f16, qkv, qkv + M * Nq, qkv + M * (Nq + Nkv), BASE(cache), BASE(pages), BASE(starts),      \
-                         BASE(lens), BASE(layer), BASE(rcos), BASE(rsin), att, blocks, H, Hkv, D, L, stride, R,     \
-                         interleaved, hpw, scale, item),                                                            \
-          first_rows(T, o_w, rows_o, Nq))                                                                           \
-    PHASE(counters, 2, ITEMS(E, rows_o), concat_item_##lower(att, 0, 0, o_w, 1, h, out, M, E, Nq, rows_o, item),    \
-          nothing)                                                                                                  \
-    leave(counters, workgroups);                                                                                    \
+    PHASE(counters, 0, ITEMS(Nqkv, rows_qkv),                                                                        \
+          concat_item_##lower(h, BASE(g), eps, qkv_w, 3, 0, qkv, M, Nqkv, E, rows_qkv, item), nothing)               \
+    PHASE(counters, 1, M * (Hkv / hpw),                                                                              \
+          attention_item(f16, qkv, qkv + M * Nq, qkv + M * (Nq + Nkv), BASE(cache), BASE(pages), BASE(starts),       \
+                         BASE(lens), BASE(layer), BASE(rcos), BASE(rsin), att, blocks, H, Hkv, D, L, stride, R,      \
+                         interleaved, hpw, scale, item),                                                             \
+          first_rows(T, o_w, rows_o, Nq))                                                                            \
+    PHASE(counters, 2, ITEMS(E, rows_o), concat_item_##lower(att, 0, 0, o_w, 1, h, out, M, E, Nq, rows_o, item),     \
+          nothing)                                                                                                   \
+    leave(counters, workgroups);                                                                                     \
   }
 
 DEFINE_BLOCK_KERNELS(Q8_0, q8_0)

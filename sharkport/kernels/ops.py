@@ -12,8 +12,8 @@ from iree.turbine.runtime.op_reg import CustomOp, KernelBuilder, KernelSelection
 
 from ..archive.tensors import QuantizedTensor
 from ..mlir_ops import call_mlir_function
-from . import (BLOCK_COUNTERS, MAX_ROWS_PER_WORKGROUP, PLANES, ROW_QUANTUM, SIZES, STORED, deinterleave_rows, object_path,
-               quantized_x, workgroups)
+from . import (BLOCK_COUNTERS, MAX_ROWS_PER_WORKGROUP, PLANES, ROW_QUANTUM, SIZES, STORED, deinterleave_rows,
+               object_path, quantized_x, workgroups)
 
 
 _LIBRARY = def_library("sharkport_kernels")
@@ -590,7 +590,8 @@ def _block_module(shape: BlockShape, arg_types: list[tuple[int, str]], sizes: li
     zero at first, which the dispatch updates in place and leaves zeroed (matvec.c's `leave`): no
     fill before each call. The C function takes each operand's memref, the counters' and the
     result's, then the attention's page columns, the shape's constants and the workgroup id; the
-    dynamic element counts are the dispatch's only operands besides the tensors."""
+    dynamic element counts and the page columns are the dispatch's only operands besides the
+    tensors (operands of rank 3 at most: the planes)."""
     name, n = shape.name, len(arg_types)
     names = shape.operands
     types = [_tensor_type(r, e) for r, e in arg_types]
@@ -658,7 +659,6 @@ module {{
     %c0 = arith.constant 0 : index
     %c1 = arith.constant 1 : index
     %c2 = arith.constant 2 : index
-    %c3 = arith.constant 3 : index
 {dim_ops}
 {chr(10).join(count_ops)}
 {chr(10).join(tied_ops)}
