@@ -1,0 +1,76 @@
+#!/usr/bin/env python
+"""Decode step times of two or more compiled modules side by side: all are loaded in one process
+and measured in interleaved rounds (the order alternating), so that a busy host slows them alike.
+Prints each module's median ms a step at batch 1 and 4, and each one's ratio to the first:
+
+    python tools/ab_decode.py A.vmfb B.vmfb [...] [--irpa x.irpa] [--rounds 10] [--steps 15]
+
+Each module's service config is the .json beside it (as tools/bench.py writes them); its archive
+is --irpa, else the .irpa beside it of its stem, or of the stem cut at its last dashes until one
+exists (artifacts/bench/smollm2-q4_1-kv-f16.vmfb reads smollm2-q4_1.irpa). Decode runs at positions
+128 to 163 over 64 pages, as tools/bench.py's, with its warm-up steps before each batch's
+measured ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+from bench import Subject, warm_up
+
+
+def archive_for(vmfb: Path) -> Path:
+    """The .irpa beside vmfb: the same stem, or the stem cut at its last dash until one exists."""
+    stem = vmfb.stem
+    while True:
+        candidate = vmfb.with_name(stem + ".irpa")
+        if candidate.exists() or "-" not in stem:
+            return candidate
+        stem = stem.rsplit("-", 1)[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("vmfb", type=Path, nargs="+", help="the modules (the first is the baseline)")
+    parser.add_argument("--irpa", type=Path, help="the archive of every module (default: beside each)")
+    parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds (default 10)")
+    parser.add_argument("--steps", type=int, default=15, help="measured decode steps a batch and round (default 15)")
+    parser.add_argument("--batches", default="1,4", help="batch sizes (default 1,4)")
+    args = parser.parse_args()
+    if len(args.vmfb) < 2:
+        parser.error("give two or more modules")
+    batches = [int(b) for b in args.batches.split(",")]
+    subjects = []
+    for vmfb in args.vmfb:
+        irpa = args.irpa or archive_for(vmfb)
+        cfg = vmfb.with_suffix(".json")
+        for f in (vmfb, irpa, cfg):
+            if not f.exists():
+                parser.error(f"{f} does not exist (each module needs its .json beside it and an archive)")
+        subjects.append(Subject(vmfb, irpa, cfg))
+    times = {(i, b): [] for i in range(len(subjects)) for b in batches}
+    for r in range(args.rounds):
+        order = list(range(len(subjects)))
+        if r % 2:
+            order.reverse()
+        for i in order:
+            for b in batches:
+                warm_up(subjects[i].decode, b)
+                # the median of the round's steps: one value a round, so that a round the host
+                # was busy in counts once
+                times[i, b].append(statistics.median(subjects[i].decode(b) for _ in range(args.steps)))
+    print(f"{args.rounds} rounds of {args.steps} steps, order alternating; medians of the rounds' medians, ms a step")
+    print("| module | " + " | ".join(f"bs{b}" for b in batches) + " | " +
+          " | ".join(f"bs{b} / first" for b in batches) + " |")
+    print("|---|" + "---|" * 2 * len(batches))
+    base = {b: statistics.median(times[0, b]) for b in batches}
+    for i, vmfb in enumerate(args.vmfb):
+        med = {b: statistics.median(times[i, b]) for b in batches}
+        print(f"| {vmfb} | " + " | ".join(f"{1e3 * med[b]:.3f}" for b in batches) + " | " +
+              " | ".join(f"{med[b] / base[b]:.3f}" for b in batches) + " |")
+
+
+if __name__ == "__main__":
+    main()
