@@ -41,7 +41,12 @@ def main() -> None:
     args = parser.parse_args()
     if len(args.vmfb) < 2:
         parser.error("give two or more modules")
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = [int(b) for b in args.batches.split(",") if b.isdigit()]
+    if not batches or len(batches) != len(args.batches.split(",")) or not all(1 <= b <= 4 for b in batches):
+        parser.error(f"--batches {args.batches!r}: give batch sizes from 1 to 4, comma-separated (the bench's "
+                     "decode positions hold four sequences)")
+    if args.rounds < 1 or args.steps < 1:
+        parser.error("--rounds and --steps take a whole number of at least 1")
     subjects = []
     for vmfb in args.vmfb:
         irpa = args.irpa or archive_for(vmfb)
