@@ -1,15 +1,17 @@
 #!/usr/bin/env python
 """Decode step times of two or more compiled modules side by side: all are loaded in one process
 and measured in interleaved rounds (the order alternating), so that a busy host slows them alike.
-Prints each module's median ms a step at batch 1 and 4, and each one's ratio to the first:
+Prints each module's median ms a step at each batch size (default 1 and 4), and its ratio to the
+first module's:
 
     python tools/ab_decode.py A.vmfb B.vmfb [...] [--irpa x.irpa] [--rounds 10] [--steps 15]
 
 Each module's service config is the .json beside it (as tools/bench.py writes them); its archive
 is --irpa, else the .irpa beside it of its stem, or of the stem cut at its last dashes until one
-exists (artifacts/bench/smollm2-q4_1-kv-f16.vmfb reads smollm2-q4_1.irpa). Decode runs at positions
-128 to 163 over 64 pages, as tools/bench.py's, with its warm-up steps before each batch's
-measured ones.
+exists (artifacts/bench/smollm2-q4_1-kv-f16.vmfb reads smollm2-q4_1.irpa). Decode is
+tools/bench.py's (its Subject over 64 pages, with its warm-up steps before each batch's measured
+ones): one position a step from 128, back to 128 past 512, so that the default 10 rounds of 15
+steps reach about position 300, further than the bench's 6 rounds of 4 (attention grows with it).
 """
 
 from __future__ import annotations
@@ -41,12 +43,13 @@ def main() -> None:
     args = parser.parse_args()
     if len(args.vmfb) < 2:
         parser.error("give two or more modules")
-    batches = [int(b) for b in args.batches.split(",") if b.isdigit()]
-    if not batches or len(batches) != len(args.batches.split(",")) or not all(1 <= b <= 4 for b in batches):
+    parts = args.batches.split(",")
+    if not all(p.isdigit() and 1 <= int(p) <= 4 for p in parts):
         parser.error(f"--batches {args.batches!r}: give batch sizes from 1 to 4, comma-separated (the bench's "
                      "decode positions hold four sequences)")
     if args.rounds < 1 or args.steps < 1:
         parser.error("--rounds and --steps take a whole number of at least 1")
+    batches = [int(p) for p in parts]
     subjects = []
     for vmfb in args.vmfb:
         irpa = args.irpa or archive_for(vmfb)
