@@ -52,14 +52,18 @@ class Session:
         if blocks * stride > c.max_seq_len:
             raise SharkportError(
                 f"{kind}: {blocks * stride} positions exceed max_seq_len {c.max_seq_len} of the export")
-        if (seq_lens < 1).any() or (seq_lens > blocks * stride).any():
-            raise SharkportError(f"{kind}: seq_lens {seq_lens.tolist()} must lie in 1..{blocks * stride}")
-        if start_positions is not None and (start_positions != seq_lens - 1).any():
+        # As few numpy calls as will do: right after a decode call the caches hold the weights,
+        # not this code, and each call took several us (the checks 115 us a step against 21 in
+        # a loop; see docs/performance.md, session 22).
+        lens = seq_lens.tolist()
+        if min(lens) < 1 or max(lens) > blocks * stride:
+            raise SharkportError(f"{kind}: seq_lens {lens} must lie in 1..{blocks * stride}")
+        if start_positions is not None and start_positions.tolist() != [n - 1 for n in lens]:
             raise SharkportError(f"{kind}: start_positions must equal seq_lens - 1")
-        if (seq_block_ids < 0).any() or (seq_block_ids >= self.pages).any():
+        if seq_block_ids.size and (seq_block_ids.min() < 0 or seq_block_ids.max() >= self.pages):
             raise SharkportError(
                 f"{kind}: seq_block_ids must be page indices in 0..{self.pages - 1}")
-        if (tokens < 0).any() or (tokens >= c.vocab_size).any():
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= c.vocab_size):
             raise SharkportError(f"{kind}: token ids must lie in 0..{c.vocab_size - 1}")
 
     def prefill(self, tokens, seq_lens, seq_block_ids) -> np.ndarray:
@@ -99,6 +103,12 @@ def tune_local_task(rt) -> None:
         raise SharkportError(f"SHARKPORT_IREE_SPIN_US={spin!r}: give a whole number of microseconds (0: no spinning)")
     rt.flags.parse_flags(f"--task_topology_group_count={len(os.sched_getaffinity(0))}",
                          f"--task_worker_spin_us={spin}")
+
+
+class _Logits(np.ndarray):
+    """A module's result on the host: a view of its mapped memory, holding the device array
+    (`result`) that owns that memory, so the view stays valid for as long as it (or any view of
+    it) is alive."""
 
 
 def _embedding_rows(index, irpa) -> int:
@@ -171,8 +181,12 @@ class IreeSession(Session):
             if len(self._caches) > 1 and "local-task" in self._device_name and "ABORTED" in str(e):
                 raise SharkportError(_MULTI_DEVICE_LOCAL_TASK.format(n=len(self._caches), error=_one_line(e))) from e
             raise
-        # to_host() is a view that does not keep the device buffer alive: copy it.
-        return np.array(result.to_host(), copy=True)
+        # to_host() is a view of the result's memory that does not keep the result alive: the
+        # logits returned keep it (rather than a copy of it, which took 73 us a SmolLM2 decode
+        # step in the bench's loop; docs/performance.md, session 22).
+        logits = result.to_host().view(_Logits)
+        logits.result = result
+        return logits
 
     def _prefill(self, tokens, seq_lens, seq_block_ids):
         return self._call(f"prefill_bs{tokens.shape[0]}", tokens, seq_lens, seq_block_ids)
