@@ -38,12 +38,6 @@
 // of x 7.3 -> 9.0. (F16 took 5% longer, and Q4 one row at a time gained nothing.)
 #define PREFETCH 2048
 #define PREFETCH_LINE(p) _mm_prefetch((const char *)(p) + PREFETCH, _MM_HINT_T0)
-// q8_x8_zmm (interleaved Q8_0 with AVX-512: the output projection, and Q8_0 layers) reads further
-// ahead. Side by side on the Zen 4 machine (tools/ab_decode.py, 10 and 14 rounds), 4096 against
-// 2048 bytes: SmolLM2 Q4_1 decode bs1 4.627 -> 4.328 and 5.134 -> 5.058 ms, bs4 6.192 -> 6.176
-// and 7.155 -> 7.024; Q8_0 bs1 6.852 -> 6.581, bs4 8.710 -> 8.781. 8192: Q4_1 bs1 5.081, bs4
-// 7.396 (the second A/B's). The AVX2 loop keeps PREFETCH (not measured).
-#define PREFETCH_Q8_ZMM 4096
 
 INLINE float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -457,7 +451,7 @@ INLINE void q8_x8_zmm(const workspace *ws, const int8_t *qs, const uint16_t *d, 
   EIGHT(__m512, acc, _mm512_setzero_ps());
   EIGHT(__m256, off, _mm256_setzero_ps());
   for (size_t b = 0; b < B; ++b, qs += 256) {
-    for (size_t line = 0; line < 256; line += 64) _mm_prefetch((const char *)qs + line + PREFETCH_Q8_ZMM, _MM_HINT_T0);
+    for (size_t line = 0; line < 256; line += 64) PREFETCH_LINE(qs + line);
     __m512i u[4];
     for (size_t j = 0; j < 4; ++j) u[j] = _mm512_xor_si512(pair_chunks(_mm512_loadu_si512(qs + 64 * j)), bias);
     __m256 d8 = halves8(d + 8 * b);
