@@ -10,10 +10,9 @@ or, for one matrix, plus a residual (`residual`), so that a llama layer's norms 
 take no dispatch of their own; decode attention over the paged cache with rotary and the
 new position's cache write (`decode_attention`), and prefill's causal attention of the prompt to
 its own K and V (`prefill_attention`; as IREE 3.9 compiles it, about 11% of SmolLM2's prefill).
-A llama decode layer takes one dispatch (`layer_block`), or two where that does not apply
-(`attention_block`: norm, q/k/v, attention, output product and residual; `ffn_block`: norm,
-SwiGLU, down product and residual), whose workgroups share out each phase's work and wait for
-each other inside the dispatch (matvec.c).
+A llama decode layer takes two dispatches (`attention_block`: norm, q/k/v, attention, output
+product and residual; `ffn_block`: norm, SwiGLU, down product and residual), whose workgroups
+share out each phase's work and wait for each other inside the dispatch (matvec.c).
 With quantized weights it multiplies 8-bit integers, as llama.cpp does on CPUs: x is quantized
 per block of 32 values as gguf's Q8_0 quantizer does, so the product is that of the dequantized
 weights with the Q8_0-dequantized x (`quantized_x`), about 1e-3 relative from the float32
@@ -58,8 +57,8 @@ MAX_NORMED = 8192
 # decode attention: query heads per kv head times head_dim, and positions per page, it takes
 MAX_GD, MAX_STRIDE = 2048, 256
 # int32 phase counters of a block dispatch (matvec.c's BLOCK_COUNTERS, COUNTER_STRIDE = 16 apart):
-# two a phase (at most five phases: the layer block) and one of the workgroups that left
-BLOCK_COUNTERS = 11 * 16
+# two a phase (at most three phases) and one of the workgroups that left
+BLOCK_COUNTERS = 7 * 16
 # prefill attention: the longest head, and query heads per kv head times head_dim, it takes
 PREFILL_MAX_D, PREFILL_MAX_GD = 256, 1024  # matvec.c's PA_MAX_D, PA_MAX_GD
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffreestanding", "-fPIC", "-fno-stack-protector",
@@ -352,35 +351,6 @@ def attention_block(h, norm, wq, wk, wv, wo, cache_state, cache, layer, page_ids
     block = BlockShape("attention", kind, M, E, 0, float(norm[1]), shape)
     y = block_op(block)(rows, norm[0], *q, *k, *v, cache_state, page_ids, start_positions, seq_lens,
                         _layer_operand(layer, cache), *_rope_operands(rope, rows), *o)
-    return y[:M * E].view(h.shape)
-
-
-def layer_block(h, norm, wq, wk, wv, wo, ffn_norm, gate, up, down, cache_state, cache, layer, page_ids,
-                start_positions, seq_lens, heads: int, head_dim: int, rope=None, rope_layout: str = "interleaved",
-                scale: float | None = None, window: int = 0, logit_cap: float = 0.0):
-    """A llama decode layer in one kernel dispatch (matvec.c's sharkport_layer_block_<type>, in
-    five phases): h1 = attention_block's result, then ffn_block's of h1 with `ffn_norm`, so that
-    the dispatch boundary between them goes. None, having written nothing, where either does not
-    apply or the norms' eps differ."""
-    rows = _block_rows(h, norm)
-    if rows is None or float(ffn_norm[1]) != float(norm[1]) or _block_rows(h, ffn_norm) is None:
-        return None
-    M, E = rows.shape
-    shape = _attention_shape(M, 1, heads, head_dim, rows.dtype, cache_state, cache, rope, rope_layout, scale, window,
-                             logit_cap)
-    I = gate.shape[0]
-    found = shape is not None and _kernel_planes([wq, wk, wv, wo, gate, up, down])
-    kv = cache.kv_heads * head_dim
-    expected = [(heads * head_dim, E), (kv, E), (kv, E), (E, heads * head_dim), (I, E), (I, E), (E, I)]
-    if not found or [tuple(w.shape) for w in (wq, wk, wv, wo, gate, up, down)] != expected or I > MAX_K:
-        return None
-    kind, (q, k, v, o, *ffn) = found
-    from .ops import BlockShape, block_op
-
-    block = BlockShape("layer", kind, M, E, I, float(norm[1]), shape)
-    y = block_op(block)(rows, norm[0], *q, *k, *v, cache_state, page_ids, start_positions, seq_lens,
-                        _layer_operand(layer, cache), *_rope_operands(rope, rows), *o, ffn_norm[0],
-                        *(p for each in ffn for p in each))
     return y[:M * E].view(h.shape)
 
 

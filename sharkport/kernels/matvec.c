@@ -1308,7 +1308,7 @@ void sharkport_prefill_attention(MEMREF(const float, q), MEMREF(const float, k),
 }
 
 
-// ---- A decode layer in one or two dispatches: phases with a barrier between them ----
+// ---- A decode layer in two dispatches: phases with a barrier between them ----
 //
 // sharkport_attention_block_<type> computes h + o(attention(q, k, v of n(h))): the q, k, v
 // product of h RMS-normalized, attention with the cache write, the output projection with the
@@ -1332,7 +1332,7 @@ void sharkport_prefill_attention(MEMREF(const float, q), MEMREF(const float, k),
 // logits bit-identical): bs1 1.897 -> 1.781 ms, bs4 2.905 -> 2.778.
 #define COUNTER_STRIDE 16
 
-_Static_assert(BLOCK_COUNTERS >= 11 * COUNTER_STRIDE, "five phases' counters and the one of those that left");
+_Static_assert(BLOCK_COUNTERS >= 7 * COUNTER_STRIDE, "three phases' counters and the one of those that left");
 
 // After its last phase each workgroup leaves, and the last of the `workgroups` to leave zeroes the
 // counters (BLOCK_COUNTERS of them, from CFLAGS; the last line counts those that left) for the
@@ -1362,14 +1362,6 @@ INLINE upcoming first_rows(int kind, const matrix *w, size_t rows, size_t K) {
   if (kind != F16) u.at[1] = (const char *)w->d, u.bytes[1] = rows * B * 2;
   if (w->m) u.at[2] = (const char *)w->m, u.bytes[2] = rows * B * 2;
   return u;
-}
-
-// The first `rows` rows of both gate and up (SwiGLU's item reads the same rows of each): their
-// quantized values and gate's scales, the most of it.
-INLINE upcoming first_rows_of_two(int kind, const matrix *w, size_t rows, size_t K) {
-  upcoming a = first_rows(kind, w, rows, K), b = first_rows(kind, w + 1, rows, K);
-  a.at[2] = b.at[0], a.bytes[2] = b.bytes[0];
-  return a;
 }
 
 INLINE void await_items(int32_t *finished, size_t items, upcoming next) {
@@ -1444,9 +1436,7 @@ NOINLINE void attention_item(const int f16, const float *q, const float *knew, c
     leave(counters, workgroups);                                                                                     \
   }                                                                                                                  \
   ATTENTION_BLOCK(T, lower, float, 0, )                                                                              \
-  ATTENTION_BLOCK(T, lower, uint16_t, 1, _f16)                                                                       \
-  LAYER_BLOCK(T, lower, float, 0, )                                                                                  \
-  LAYER_BLOCK(T, lower, uint16_t, 1, _f16)
+  ATTENTION_BLOCK(T, lower, uint16_t, 1, _f16)
 #define ATTENTION_BLOCK(T, lower, C, f16, suffix)                                                                    \
   void sharkport_attention_block_##lower##suffix(                                                                    \
       MEMREF(const float, x), MEMREF(const float, g), ARGS_##T(a), ARGS_##T(b), ARGS_##T(c), MEMREF(C, cache),       \
@@ -1470,47 +1460,6 @@ NOINLINE void attention_item(const int f16, const float *q, const float *knew, c
                          interleaved, hpw, scale, item),                                                             \
           first_rows(T, o_w, rows_o, Nq))                                                                            \
     PHASE(counters, 2, ITEMS(E, rows_o), concat_item_##lower(att, 0, 0, o_w, 1, h, out, M, E, Nq, rows_o, item),     \
-          nothing)                                                                                                   \
-    leave(counters, workgroups);                                                                                     \
-  }
-
-// sharkport_layer_block_<type> is a whole llama decode layer in one dispatch: the attention
-// block's three phases, whose output h1 = h + o(attention) is an intermediate, then the FFN
-// block's two on h1 (its norm g2, the same eps), y = h1 + down(silu(gate(n(h1))) * up(n(h1))).
-// The workgroups waiting at the end of the output product fetch gate's and up's first rows, where
-// the dispatch boundary left the memory idle. SmolLM2 Q4_1 decode side by side (tools/ab_decode.py,
-// 12 rounds; 67 -> 37 dispatches a step; logits bit-identical): bs1 4.575 -> 4.442 ms, bs4 6.468
-// -> 6.260.
-#define LAYER_BLOCK(T, lower, C, f16, suffix)                                                                        \
-  void sharkport_layer_block_##lower##suffix(                                                                        \
-      MEMREF(const float, x), MEMREF(const float, g), ARGS_##T(a), ARGS_##T(b), ARGS_##T(c), MEMREF(C, cache),       \
-      MEMREF(const int64_t, pages), MEMREF(const int64_t, starts), MEMREF(const int64_t, lens),                      \
-      MEMREF(const int64_t, layer), MEMREF(const float, rcos), MEMREF(const float, rsin), ARGS_##T(o),               \
-      MEMREF(const float, g2), ARGS_##T(fa), ARGS_##T(fb), ARGS_##T(fc), MEMREF(int32_t, phase_counters),            \
-      MEMREF(float, y), size_t blocks, size_t M, size_t E, size_t H, size_t Hkv, size_t D, size_t L, size_t stride,  \
-      size_t R, size_t interleaved, size_t hpw, float scale, size_t rows_qkv, size_t rows_o, size_t I,               \
-      size_t rows_up, size_t rows_down, float eps, size_t workgroups, size_t wg) {                                   \
-    (void)wg;                                                                                                        \
-    size_t Nq = H * D, Nkv = Hkv * D, Nqkv = Nq + 2 * Nkv;                                                           \
-    matrix qkv_w[3] = {MAT_##T(a, Nq), MAT_##T(b, Nkv), MAT_##T(c, Nkv)}, o_w[1] = {MAT_##T(o, E)};                  \
-    matrix gate_up[2] = {MAT_##T(fa, I), MAT_##T(fb, I)}, down[1] = {MAT_##T(fc, E)};                                \
-    const float *h = BASE(x);                                                                                        \
-    float *out = BASE(y), *qkv = out + M * E, *att = qkv + M * Nqkv, *h1 = att + M * Nq, *act = h1 + M * E;          \
-    int32_t *counters = BASE(phase_counters);                                                                        \
-    const upcoming nothing = {{0}, {0}};                                                                             \
-    PHASE(counters, 0, ITEMS(Nqkv, rows_qkv),                                                                        \
-          concat_item_##lower(h, BASE(g), eps, qkv_w, 3, 0, qkv, M, Nqkv, E, rows_qkv, item), nothing)               \
-    PHASE(counters, 1, M * (Hkv / hpw),                                                                              \
-          attention_item(f16, qkv, qkv + M * Nq, qkv + M * (Nq + Nkv), BASE(cache), BASE(pages), BASE(starts),       \
-                         BASE(lens), BASE(layer), BASE(rcos), BASE(rsin), att, blocks, H, Hkv, D, L, stride, R,      \
-                         interleaved, hpw, scale, item),                                                             \
-          first_rows(T, o_w, rows_o, Nq))                                                                            \
-    PHASE(counters, 2, ITEMS(E, rows_o), concat_item_##lower(att, 0, 0, o_w, 1, h, h1, M, E, Nq, rows_o, item),      \
-          first_rows_of_two(T, gate_up, rows_up, E))                                                                 \
-    PHASE(counters, 3, ITEMS(I, rows_up),                                                                            \
-          swiglu_item_##lower(h1, BASE(g2), eps, gate_up, act, M, I, E, rows_up, item),                              \
-          first_rows(T, down, rows_down, I))                                                                         \
-    PHASE(counters, 4, ITEMS(E, rows_down), concat_item_##lower(act, 0, 0, down, 1, h1, out, M, E, I, rows_down, item), \
           nothing)                                                                                                   \
     leave(counters, workgroups);                                                                                     \
   }

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import struct
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from iree.turbine.runtime.op_reg import CustomOp, KernelBuilder, KernelSelection, def_library
@@ -516,7 +516,7 @@ class BlockShape:
     """What a block op is specialised for (baked into its MLIR as constants): the attention block
     (norm, q/k/v product, decode attention, output product, residual add) or the FFN block (norm,
     SwiGLU's products, the down product, residual add) of M rows of h [M, E]."""
-    form: str  # "attention", "ffn" or "layer" (both: the attention block's, then the FFN block's)
+    form: str  # "attention" or "ffn"
     kind: str  # the matrices' kernel type (a key of PLANES)
     rows: int  # M
     width: int  # E
@@ -526,8 +526,7 @@ class BlockShape:
 
     @property
     def name(self) -> str:
-        sizes = (f"_i{self.inner}" if self.form != "attention" else "") + (
-            self.attention.name.removeprefix("sharkport_decode_attention") if self.attention else "")
+        sizes = f"_i{self.inner}" if self.form == "ffn" else self.attention.name.removeprefix("sharkport_decode_attention")
         return (f"sharkport_{self.form}_block_{self.kind.lower()}_m{self.rows}_e{self.width}"
                 f"_n{_float_bits(self.eps):08x}{sizes}_wg{workgroups()}")
 
@@ -540,12 +539,10 @@ class BlockShape:
         """The op's tensor operands in order (planes as <matrix>_<plane>)."""
         def planes(matrix):
             return [f"{matrix}_{p}" for p in PLANES[self.kind]]
-        ffn = [*planes("gate"), *planes("up"), *planes("down")]
         if self.form == "ffn":
-            return ["x", "g", *ffn]
-        attention = ["x", "g", *planes("q"), *planes("k"), *planes("v"), "cache", "pages", "starts", "lens", "layer",
-                     "cos", "sin", *planes("o")]
-        return attention + (["g2", *ffn] if self.form == "layer" else [])
+            return ["x", "g", *planes("gate"), *planes("up"), *planes("down")]
+        return ["x", "g", *planes("q"), *planes("k"), *planes("v"), "cache", "pages", "starts", "lens", "layer",
+                "cos", "sin", *planes("o")]
 
     @property
     def tied(self) -> list[str]:
@@ -560,7 +557,7 @@ class BlockShape:
             return self.width, self.inner
         a = self.attention
         q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
-        return (self.width, q, kv, kv, q) + ((self.width, self.inner) if self.form == "layer" else ())
+        return self.width, q, kv, kv, q
 
     def constants(self) -> list[tuple[str, str]]:
         """The C function's constant arguments after its memrefs (and the attention's page
@@ -571,12 +568,10 @@ class BlockShape:
         if self.form == "ffn":
             return [index(self.rows), index(self.width), index(self.inner), index(_item_rows(self.inner)),
                     index(_item_rows(self.width)), *last]
-        _, q, kv, _, _, *_ = self.widths
-        ffn = ([index(self.inner), index(_item_rows(self.inner)), index(_item_rows(self.width))]
-               if self.form == "layer" else [])
+        _, q, kv, _, _ = self.widths
         return [index(self.rows), index(self.width),
                 *_constants(self.attention, "H", "Hkv", "D", "L", "stride", "R", "interleaved", "hpw", "scale"),
-                index(_item_rows(q + 2 * kv)), index(_item_rows(self.width)), *ffn, *last]
+                index(_item_rows(q + 2 * kv)), index(_item_rows(self.width)), *last]
 
 
 def _item_rows(n: int) -> int:
@@ -605,7 +600,7 @@ def _block_module(shape: BlockShape, arg_types: list[tuple[int, str]], sizes: li
     total = shape.rows * sum(shape.widths)
     counters = f"tensor<{BLOCK_COUNTERS}xi32>"
     dynamic = [i for i, s in enumerate(sizes) if s is None]
-    paged = shape.form != "ffn"
+    paged = shape.form == "attention"
     entry_args = [f"%n{i}: index" for i in dynamic] + (["%blocks: index"] if paged else [])
     static = [(i, s) for i, s in enumerate(sizes) if s is not None] + [(n, BLOCK_COUNTERS), (n + 1, total)]
     size_ops = "\n".join(f"        %n{i} = arith.constant {s} : index" for i, s in static)
@@ -691,15 +686,11 @@ def _block_eager(shape: BlockShape, *args) -> torch.Tensor:
     qkv_planes, (cache, pages, starts, lens, layer, cos, sin), o = rest[:3 * per], rest[3 * per:3 * per + 7], \
         rest[3 * per + 7:4 * per + 7]
     qkv = _eager(shape.kind, FORMS["qkv_norm"], x, g, *qkv_planes, shape.eps).flatten()
-    M, (_, nq, nkv, *_) = shape.rows, shape.widths
+    M, (_, nq, nkv, _, _) = shape.rows, shape.widths
     q, k, v = (part.view(M, -1) for part in qkv.split([M * nq, M * nkv, M * nkv]))
     att = _attention_eager(shape.attention, q, k, v, cache, pages, starts, lens, layer, cos, sin)
     y = _eager(shape.kind, FORMS["matvec_add"], att, *o, x)
-    if shape.form == "attention":
-        return torch.cat([y.flatten(), qkv, att.flatten()])
-    g2, *ffn = rest[4 * per + 7:]
-    out, act = _block_eager(replace(shape, form="ffn", attention=None), y, g2, *ffn).split([y.numel(), M * shape.inner])
-    return torch.cat([out, qkv, att.flatten(), y.flatten(), act])
+    return torch.cat([y.flatten(), qkv, att.flatten()])
 
 
 @functools.cache

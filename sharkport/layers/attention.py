@@ -110,34 +110,11 @@ class PagedAttention(torch.nn.Module):
     def _decode_block(self, x, rope, cache_state, seq_block_ids, start_positions, seq_lens, residual):
         """decode's result by kernels.attention_block (one dispatch), or None where it does not
         apply: x not normed or the residual not x's input, biases, Q/K norms, a fused QKV."""
-        if not self._block_applies(x, residual):
+        t, c = self.theta, self.config
+        names = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")
+        if not (isinstance(x, Normed) and residual is x.x and c.qk_norm_eps is None and all(n in t for n in names)
+                and not any(f"attn_{p}.bias" in t for p in ("q", "k", "v", "output"))):
             return None
-        c = self.config
-        return kernels.attention_block(x.x, (x.w, x.eps), *self._block_weights(), cache_state, self.cache, self.layer,
+        return kernels.attention_block(x.x, (x.w, x.eps), *(t[n] for n in names), cache_state, self.cache, self.layer,
                                        seq_block_ids, start_positions, seq_lens, c.heads, c.head_dim, rope,
                                        c.rope_layout, c.scale, c.window, c.logit_cap)
-
-    def decode_layer(self, x: Normed, rope, cache_state, seq_block_ids, start_positions, seq_lens, residual,
-                     ffn_norm, gate, up, down) -> torch.Tensor | None:
-        """The decode layer's result, this attention then SwiGLU over `gate`, `up` and `down`
-        after `ffn_norm` (weight, eps), with their residual adds, by kernels.layer_block in one
-        dispatch; None, having written nothing, where it does not apply (see _decode_block)."""
-        if not self._block_applies(x, residual):
-            return None
-        c = self.config
-        return kernels.layer_block(x.x, (x.w, x.eps), *self._block_weights(), ffn_norm, gate, up, down, cache_state,
-                                   self.cache, self.layer, seq_block_ids, start_positions, seq_lens, c.heads,
-                                   c.head_dim, rope, c.rope_layout, c.scale, c.window, c.logit_cap)
-
-    _BLOCK_WEIGHTS = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")
-
-    def _block_applies(self, x, residual) -> bool:
-        """Whether the block kernels can take this attention: x normed and the residual x's input,
-        separate q/k/v without biases, no Q/K norms."""
-        t = self.theta
-        return (isinstance(x, Normed) and residual is x.x and self.config.qk_norm_eps is None
-                and all(n in t for n in self._BLOCK_WEIGHTS)
-                and not any(f"attn_{p}.bias" in t for p in ("q", "k", "v", "output")))
-
-    def _block_weights(self) -> tuple:
-        return tuple(self.theta[n] for n in self._BLOCK_WEIGHTS)
