@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """Decode step times of two or more compiled modules side by side: all are loaded in one process
-and measured in interleaved rounds (the order alternating), so that a busy host slows them alike.
-Prints each module's median ms a step at each batch size (default 1 and 4), and its ratio to the
-first module's:
+and measured in interleaved rounds (the order alternating), so that a busy host slows them alike;
+and that again in fresh processes (--loads, default 2), each loading the modules in the reverse
+order of the one before. Prints each module's ratio to the first module's at each batch size
+(default 1 and 4): the geometric mean over the loads, and their range:
 
-    python tools/ab_decode.py A.vmfb B.vmfb [...] [--irpa x.irpa] [--rounds 10] [--steps 15]
+    python tools/ab_decode.py A.vmfb B.vmfb [...] [--irpa x.irpa] [--rounds 10] [--steps 15] [--loads 2]
 
 Each module's service config is the .json beside it (as tools/bench.py writes them); its archive
 is --irpa, else the .irpa beside it of its stem, or of the stem cut at its last dashes until one
@@ -12,11 +13,19 @@ exists (artifacts/bench/smollm2-q4_1-kv-f16.vmfb reads smollm2-q4_1.irpa). Decod
 tools/bench.py's (its Subject over 64 pages, with its warm-up steps before each batch's measured
 ones): one position a step from 128, back to 128 past 512, so that the default 10 rounds of 15
 steps reach about position 300, further than the bench's 6 rounds of 4 (attention grows with it).
+
+Where a module's weights land as it loads moves its speed: copies of one module loaded in one
+process decoded up to 11% apart, steadily over 12 rounds (session 22: 1.000, 0.978 and 1.064 at
+bs1; 1.000, 1.078 and 1.111 at bs4), which is more than many changes gain. So each load (a
+process of its own) gives one ratio, and a change counts when its ratios over several loads
+agree; raise --loads where they do not.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import multiprocessing
 import statistics
 from pathlib import Path
 
@@ -40,6 +49,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds (default 10)")
     parser.add_argument("--steps", type=int, default=15, help="measured decode steps a batch and round (default 15)")
     parser.add_argument("--batches", default="1,4", help="batch sizes (default 1,4)")
+    parser.add_argument("--loads", type=int, default=2,
+                        help="fresh processes loading the modules, the order reversed each time (default 2)")
     args = parser.parse_args()
     if len(args.vmfb) < 2:
         parser.error("give two or more modules")
@@ -47,19 +58,42 @@ def main() -> None:
     if not all(p.isdigit() and 1 <= int(p) <= 4 for p in parts):
         parser.error(f"--batches {args.batches!r}: give batch sizes from 1 to 4, comma-separated (the bench's "
                      "decode positions hold four sequences)")
-    if args.rounds < 1 or args.steps < 1:
-        parser.error("--rounds and --steps take a whole number of at least 1")
+    if args.rounds < 1 or args.steps < 1 or args.loads < 1:
+        parser.error("--rounds, --steps and --loads take a whole number of at least 1")
     batches = [int(p) for p in parts]
-    subjects = []
+    modules = []
     for vmfb in args.vmfb:
         irpa = args.irpa or archive_for(vmfb)
         cfg = vmfb.with_suffix(".json")
         for f in (vmfb, irpa, cfg):
             if not f.exists():
                 parser.error(f"{f} does not exist (each module needs its .json beside it and an archive)")
-        subjects.append(Subject(vmfb, irpa, cfg))
+        modules.append((vmfb, irpa, cfg))
+    n, spawn, runs = len(modules), multiprocessing.get_context("spawn"), []
+    for load in range(args.loads):  # each in a process of its own: a fresh heap for its modules
+        order = modules if load % 2 == 0 else modules[::-1]
+        with spawn.Pool(1) as pool:
+            run = pool.apply(measure, (order, batches, args.rounds, args.steps))
+        runs.append(run if load % 2 == 0 else {(n - 1 - i, b): t for (i, b), t in run.items()})
+    print(f"{args.loads} loads (processes), the load order reversed each time; each {args.rounds} rounds of "
+          f"{args.steps} steps a module and batch, the order alternating; ms a step (the loads' medians of "
+          "the rounds' medians) and the ratio to the first module (geometric mean over the loads, and range)")
+    print("| module | " + " | ".join(f"bs{b}, ms" for b in batches) + " | " +
+          " | ".join(f"bs{b} / first" for b in batches) + " |")
+    print("|---|" + "---|" * 2 * len(batches))
+    for i, (vmfb, _, _) in enumerate(modules):
+        ms = [statistics.median(run[i, b] for run in runs) * 1e3 for b in batches]
+        ratios = [[run[i, b] / run[0, b] for run in runs] for b in batches]
+        shown = [f"{math.prod(r) ** (1 / len(r)):.3f} ({min(r):.3f} to {max(r):.3f})" if i else "1" for r in ratios]
+        print(f"| {vmfb} | " + " | ".join(f"{m:.3f}" for m in ms) + " | " + " | ".join(shown) + " |")
+
+def measure(modules, batches: list[int], rounds: int, steps: int) -> dict[tuple[int, int], float]:
+    """{(module index, batch): median over the rounds of each round's median step, in seconds} of
+    the modules (vmfb, irpa, json), loaded in their order in this process, measured in `rounds`
+    interleaved rounds (the order alternating) of `steps` steps after the bench's warm-up."""
+    subjects = [Subject(*m) for m in modules]
     times = {(i, b): [] for i in range(len(subjects)) for b in batches}
-    for r in range(args.rounds):
+    for r in range(rounds):
         order = list(range(len(subjects)))
         if r % 2:
             order.reverse()
@@ -68,17 +102,8 @@ def main() -> None:
                 warm_up(subjects[i].decode, b)
                 # the median of the round's steps: one value a round, so that a round the host
                 # was busy in counts once
-                times[i, b].append(statistics.median(subjects[i].decode(b) for _ in range(args.steps)))
-    print(f"{args.rounds} rounds of {args.steps} steps, order alternating; medians of the rounds' medians, ms a step")
-    print("| module | " + " | ".join(f"bs{b}" for b in batches) + " | " +
-          " | ".join(f"bs{b} / first" for b in batches) + " |")
-    print("|---|" + "---|" * 2 * len(batches))
-    base = {b: statistics.median(times[0, b]) for b in batches}
-    for i, vmfb in enumerate(args.vmfb):
-        med = {b: statistics.median(times[i, b]) for b in batches}
-        print(f"| {vmfb} | " + " | ".join(f"{1e3 * med[b]:.3f}" for b in batches) + " | " +
-              " | ".join(f"{med[b] / base[b]:.3f}" for b in batches) + " |")
-
+                times[i, b].append(statistics.median(subjects[i].decode(b) for _ in range(steps)))
+    return {key: statistics.median(t) for key, t in times.items()}
 
 if __name__ == "__main__":
     main()
