@@ -181,9 +181,10 @@ class IreeSession(Session):
             if len(self._caches) > 1 and "local-task" in self._device_name and "ABORTED" in str(e):
                 raise SharkportError(_MULTI_DEVICE_LOCAL_TASK.format(n=len(self._caches), error=_one_line(e))) from e
             raise
-        # to_host() is a view of the result's memory that does not keep the result alive: the
-        # logits returned keep it (rather than a copy of it, which took 73 us a SmolLM2 decode
-        # step in the bench's loop; docs/performance.md, session 22).
+        # to_host() is a view of the result's mapped memory; the logits returned also hold the
+        # result itself, so that the view cannot outlive it (views of dropped results have
+        # crashed on large outputs here). A copy took 73 us a SmolLM2 decode step in the bench's
+        # loop (docs/performance.md, session 22).
         logits = result.to_host().view(_Logits)
         logits.result = result
         return logits
