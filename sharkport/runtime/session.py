@@ -21,6 +21,16 @@ from ..export.abi import ServiceConfig
 _NP_CACHE_DTYPES = {"float32": np.float32, "float16": np.float16}
 
 
+def _within(a: np.ndarray, end: int) -> bool:
+    """Whether every element of the int64 array a lies in [0, end). A decode step's arrays (a few
+    dozen values) go through Python's min and max: numpy's reductions, with the caches cold after
+    a call, took most of the checks' time (docs/performance.md, session 23)."""
+    if a.size > 4096:
+        return bool(a.min() >= 0 and a.max() < end)
+    values = a.ravel().tolist()
+    return not values or (min(values) >= 0 and max(values) < end)
+
+
 class Session:
     """prefill / decode over a paged cache of `pages` pages (see DESIGN.md §3)."""
 
@@ -60,10 +70,10 @@ class Session:
             raise SharkportError(f"{kind}: seq_lens {lens} must lie in 1..{blocks * stride}")
         if start_positions is not None and start_positions.tolist() != [n - 1 for n in lens]:
             raise SharkportError(f"{kind}: start_positions must equal seq_lens - 1")
-        if seq_block_ids.size and (seq_block_ids.min() < 0 or seq_block_ids.max() >= self.pages):
+        if not _within(seq_block_ids, self.pages):
             raise SharkportError(
                 f"{kind}: seq_block_ids must be page indices in 0..{self.pages - 1}")
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= c.vocab_size):
+        if not _within(tokens, c.vocab_size):
             raise SharkportError(f"{kind}: token ids must lie in 0..{c.vocab_size - 1}")
 
     def prefill(self, tokens, seq_lens, seq_block_ids) -> np.ndarray:
@@ -106,9 +116,9 @@ def tune_local_task(rt) -> None:
 
 
 class _Logits(np.ndarray):
-    """A module's result on the host: a view of its mapped memory, holding the device array
-    (`result`) that owns that memory, so the view stays valid for as long as it (or any view of
-    it) is alive."""
+    """A module's result on the host: a view of its mapped memory, holding the result's buffer
+    view (`result`), which owns that memory, so the view stays valid for as long as it (or any
+    view of it) is alive."""
 
 
 def _embedding_rows(index, irpa) -> int:
@@ -166,26 +176,45 @@ class IreeSession(Session):
         params = rt.create_io_parameters_module(instance, index.create_provider(scope="model"))
         hal = rt.create_hal_module(instance, devices=devices)
         main = rt.VmModule.mmap(instance, str(vmfb))
-        self._module = _Functions(rt, rt.VmContext(instance, modules=[params, hal, main]), main, devices[0])
+        self._rt, self._device, self._float32 = rt, devices[0], int(rt.HalElementType.FLOAT_32)
+        self._context, self._main, self._functions = rt.VmContext(instance, modules=[params, hal, main]), main, {}
         dtype = _NP_CACHE_DTYPES[config.kv_cache_dtype]
-        self._caches = [rt.asdevicearray(d, np.zeros((self.pages, config.page_elems), dtype)) for d in devices]
+        self._caches = [_to_device(rt, d, np.zeros((self.pages, config.page_elems), dtype)) for d in devices]
 
     def _call(self, name: str, *args) -> np.ndarray:
+        """The module's function `name` on the int64 inputs `args` and the caches: its logits.
+
+        The inputs and the caches go straight into the VM's argument list, and the one result is
+        mapped as it is: iree.runtime's FunctionInvoker, which converts each argument by the
+        function's reflected ABI and wraps the result in a DeviceArray, took 35 to 75 us more of a
+        SmolLM2 decode step (docs/performance.md, session 23)."""
+        rt = self._rt
+        fn = self._functions.get(name)
+        if fn is None:
+            fn = self._functions[name] = self._main.lookup_function(name)
+            if fn is None:
+                raise SharkportError(f"the module has no function {name}")
+        arguments = rt.VmVariantList(len(args) + len(self._caches))
+        for a in args:
+            arguments.push_ref(_to_device(rt, self._device, a))
+        for cache in self._caches:
+            arguments.push_ref(cache)
+        results = rt.VmVariantList(1)
         try:
-            fn = self._module[name]
-        except (KeyError, AttributeError):
-            raise SharkportError(f"the module has no function {name}") from None
-        try:
-            result = fn(*args, *self._caches)
+            self._context.invoke(fn, arguments, results)
         except RuntimeError as e:
             if len(self._caches) > 1 and "local-task" in self._device_name and "ABORTED" in str(e):
                 raise SharkportError(_MULTI_DEVICE_LOCAL_TASK.format(n=len(self._caches), error=_one_line(e))) from e
             raise
-        # to_host() is a view of the result's mapped memory; the logits returned also hold the
-        # result itself, so that the view cannot outlive it (views of dropped results have
-        # crashed on large outputs here). A copy took 73 us a SmolLM2 decode step in the bench's
-        # loop (docs/performance.md, session 22).
-        logits = result.to_host().view(_Logits)
+        result = results.get_as_object(0, rt.HalBufferView)
+        if result.element_type != self._float32:
+            raise SharkportError(f"{name} returned elements of HAL type {result.element_type}, not float32 logits: "
+                                 "was the module exported by sharkport.export?")
+        # A view of the result's mapped memory, which holds the result itself: the mapping does
+        # not keep the buffer alive, and views of dropped results crashed on large outputs here.
+        # A copy took 73 us a SmolLM2 decode step in the bench's loop (docs/performance.md,
+        # session 22).
+        logits = result.map().asarray(list(result.shape), np.dtype(np.float32)).view(_Logits)
         logits.result = result
         return logits
 
@@ -205,7 +234,8 @@ class IreeSession(Session):
 
     def caches_to_host(self) -> list[np.ndarray]:
         """Each device's cache_state, in device order."""
-        return [np.array(c.to_host(), copy=True) for c in self._caches]
+        dtype = _NP_CACHE_DTYPES[self.config.kv_cache_dtype]
+        return [np.array(c.map().asarray(list(c.shape), np.dtype(dtype)), copy=True) for c in self._caches]
 
 
 # Seen with IREE 3.9 (iree-run-module --task_abort_on_failure=true names the root cause,
@@ -224,24 +254,14 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split("; while calling import")[0].split())
 
 
-class _Functions:
-    """A module's functions in its context, looked up by name; inputs and results go through
-    `device` (device 0 of a tensor-parallel module). Each function's invoker is made once: making
-    one parses the function's ABI JSON and builds its argument packer (3 to 5 us of a SmolLM2
-    decode call)."""
+_ELEMENT_TYPES = {np.dtype(np.int64): "SINT_64", np.dtype(np.float32): "FLOAT_32", np.dtype(np.float16): "FLOAT_16"}
 
-    def __init__(self, rt, context, module, device):
-        self._rt, self._context, self._module, self._device = rt, context, module, device
-        self._invokers = {}
 
-    def __getitem__(self, name: str):
-        invoker = self._invokers.get(name)
-        if invoker is None:
-            fn = self._module.lookup_function(name)
-            if fn is None:
-                raise KeyError(name)
-            invoker = self._invokers[name] = self._rt.FunctionInvoker(self._context, self._device, fn)
-        return invoker
+def _to_device(rt, device, a: np.ndarray):
+    """A copy of the host array a in a buffer view on `device` (host-visible, so it maps)."""
+    return device.allocator.allocate_buffer_copy(
+        memory_type=rt.MemoryType.DEVICE_LOCAL, allowed_usage=rt.BufferUsage.DEFAULT | rt.BufferUsage.MAPPING,
+        device=device, buffer=a, element_type=getattr(rt.HalElementType, _ELEMENT_TYPES[a.dtype]))
 
 
 class EagerSession(Session):
