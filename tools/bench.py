@@ -22,7 +22,8 @@ and measured in interleaved rounds, so a busy machine slows them alike:
   of weights read per token (every matrix once; with tied embeddings the output projection reads
   token_embd whole), for the weights as stored (the issue's target) and as float32 (what the `llvm-cpu` preset reads: it
   dequantizes and packs every weight once at load), and decode tokens/s as a share of each;
-- decode at batch 1 with 16 and 1024 pages allocated, positions 64 onwards (the first type only);
+- decode at batch 1 with 16 and 1024 pages allocated, positions 64 onwards (the first type only,
+  --loads sessions of each);
 - `transformers` eager decode (float32, its own KV cache) at batch 1, in the same rounds;
 - the KV cache is float32 unless --kv-cache-dtype float16 (as llama.cpp's): half the bytes that
   decode attention reads, about 7 MB a step at the positions measured (7% of the Q4_1 weights'
@@ -323,16 +324,19 @@ def main() -> None:
             cols[t]["llama.cpp prefill bs1 (128 tokens), tokens/s"] = \
                 f"{PROMPT_LEN / statistics.median(times[t, 'llama.cpp prefill']):.0f}"
 
-    # Page count: the same module with 16 and 1024 pages allocated, alternating.
+    # Page count: the same module with 16 and 1024 pages allocated, --loads sessions of each in
+    # the same rounds (with one of each, their loads' placement alone put them 11% apart here).
     first = types[0]
     irpa, cfg, vmfb = files(first, "irpa", "json", "vmfb")
     del subjects
-    few, many = (Subject(vmfb, irpa, cfg, pages=n, start=64) for n in (16, 1024))
+    by_pages = {n: [Subject(vmfb, irpa, cfg, pages=n, start=64) for _ in range(args.loads)] for n in (16, 1024)}
     page_times = {16: [], 1024: []}
     for _ in range(args.rounds):
-        page_times[16] += [few.decode(1) for _ in range(4)]
-        page_times[1024] += [many.decode(1) for _ in range(4)]
-    del few, many
+        for n, loads in by_pages.items():
+            for s in loads:
+                warm_up(s.decode, 1)
+                page_times[n] += [s.decode(1) for _ in range(4)]
+    del by_pages
     t16, t1024 = (statistics.median(page_times[n]) * 1e3 for n in (16, 1024))
 
     for t in types:
