@@ -21,7 +21,9 @@ and measured in interleaved rounds, so a busy machine slows them alike:
 - the decode bandwidth limit: read bandwidth (measured once in every round; the median) ÷ bytes
   of weights read per token (every matrix once; with tied embeddings the output projection reads
   token_embd whole), for the weights as stored (the issue's target) and as float32 (what the `llvm-cpu` preset reads: it
-  dequantizes and packs every weight once at load), and decode tokens/s as a share of each;
+  dequantizes and packs every weight once at load), and decode tokens/s as a share of each, and
+  the stored weights' bytes decode bs1 reads a second (the probe's rate swings between rounds here,
+  29 to 64 GB/s, where decode's does not: read that row against the probe's range);
 - decode at batch 1 with 16 and 1024 pages allocated, positions 64 onwards (the first type only,
   --loads sessions of each);
 - `transformers` eager decode (float32, its own KV cache) at batch 1, in the same rounds;
@@ -310,6 +312,8 @@ def main() -> None:
             cols[t]["decode bs1 of each load, tokens/s"] = " / ".join(
                 f"{1 / statistics.median(by_load[t, i]):.1f}" for i in range(args.loads))
         cols[t]["decode bs1 / limit (stored weights)"] = f"{100 * d1 / limits[t]:.0f}%"
+        # the weights' bytes decode reads a second: set against the probe's rate and its range
+        cols[t]["decode bs1, stored weights read, GB/s"] = f"{d1 * weights[t][0] / 1e9:.1f}"
         cols[t]["decode bs1 / limit (float32 weights)"] = f"{100 * d1 / f32_limits[t]:.0f}%"
         cols[t]["decode bs4, tokens/s"] = f"{d4:.1f}"
         cols[t]["decode bs4 / bs1"] = f"{d4 / d1:.2f}x"
