@@ -273,3 +273,36 @@ def test_compiled_matches_transformers(tiny, compiled_of, variant, batch):
 def test_compiled_generate_matches_transformers_greedy(tiny, compiled_of, variant):
     vmfb, irpa, config = compiled_of(variant)
     check_generate(IreeSession(vmfb, irpa, config, pages=PAGES), tiny[variant].hf)
+
+
+@pytest.mark.slow
+def test_compiled_logits_outlive_their_call(compiled_of):
+    """The session's logits are views of the module's result, not copies: a view kept (or a view
+    of it) must keep its values after the caller drops the logits and later calls allocate and
+    free their own results. A view of memory that is freed or reused (a result buffer let go,
+    or one output buffer for every call) reads another call's logits, or crashes."""
+    import gc
+
+    vmfb, irpa, config = compiled_of("gqa-untied")
+    session = IreeSession(vmfb, irpa, config, pages=PAGES)
+    batch = BATCHES["bs4"]
+    page_table = np.array(batch.pages, np.int64)
+    tokens = np.ones((4, STRIDE * 3), np.int64)
+    kept, expected = [], []
+    prefill = session.prefill(tokens, np.array(batch.lengths, np.int64), page_table)
+    kept.append(np.asarray(prefill[1:3, 2:9]))  # a plain array viewing a slice of the logits
+    expected.append(kept[-1].copy())
+    del prefill
+    positions = np.array(batch.lengths, np.int64)
+    for step in range(6):
+        logits = session.decode(np.full((4, 1), step + 2, np.int64), positions + 1, positions, page_table)
+        kept.append(logits[:, 0, ::3])
+        expected.append(kept[-1].copy())
+        positions += 1
+    del logits
+    gc.collect()
+    for _ in range(3):  # more results allocated (and freed) where the dropped ones were
+        session.prefill(tokens, np.array(batch.lengths, np.int64), page_table)
+    for i, (view, copy) in enumerate(zip(kept, expected)):
+        np.testing.assert_array_equal(view, copy, err_msg=f"logits of call {i}")
+    assert len({c.tobytes() for c in expected}) == len(expected)  # the calls' logits all differ

@@ -210,10 +210,11 @@ class IreeSession(Session):
         if result.element_type != self._float32:
             raise SharkportError(f"{name} returned elements of HAL type {result.element_type}, not float32 logits: "
                                  "was the module exported by sharkport.export?")
-        # A view of the result's mapped memory, which holds the result itself: the mapping does
-        # not keep the buffer alive, and views of dropped results crashed on large outputs here.
-        # A copy took 73 us a SmolLM2 decode step in the bench's loop (docs/performance.md,
-        # session 22).
+        # A view of the result's mapped memory (a copy took 73 us a SmolLM2 decode step in the
+        # bench's loop; docs/performance.md, session 22). It holds the result too: with IREE 3.9
+        # the mapping itself kept the buffer alive when tried, but views of DeviceArray.to_host()
+        # once crashed on large outputs here, so the view does not depend on that
+        # (tests/test_llama_tiny.py::test_compiled_logits_outlive_their_call).
         logits = result.map().asarray(list(result.shape), np.dtype(np.float32)).view(_Logits)
         logits.result = result
         return logits
