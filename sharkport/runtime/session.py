@@ -176,6 +176,7 @@ class IreeSession(Session):
         params = rt.create_io_parameters_module(instance, index.create_provider(scope="model"))
         hal = rt.create_hal_module(instance, devices=devices)
         main = rt.VmModule.mmap(instance, str(vmfb))
+        # the inputs (and the logits) of a tensor-parallel module's functions are on device 0
         self._rt, self._device, self._float32 = rt, devices[0], int(rt.HalElementType.FLOAT_32)
         self._context, self._main, self._functions = rt.VmContext(instance, modules=[params, hal, main]), main, {}
         dtype = _NP_CACHE_DTYPES[config.kv_cache_dtype]
