@@ -32,10 +32,11 @@
 #define BASE(name) (name##_aligned + name##_offset)  // MLIR: element i is at aligned + offset + i
 #define INLINE static inline __attribute__((always_inline))
 #define NOINLINE static __attribute__((noinline))
-// Q8_0 weights, and Q4 weights interleaved eight rows at a time (q4_x8), are read PREFETCH bytes
-// ahead: SmolLM2 Q8_0 decode through the runner 7.40 -> 6.80 ms; Q4_1 four rows at a time (the
-// loop q4_x8 replaced) 1536x576 from memory in tools/matvec_harness.c 15.5 -> 16.5 GB/s, four rows
-// of x 7.3 -> 9.0. (F16 took 5% longer, and Q4 one row at a time gained nothing.)
+// Q8_0 weights (with AVX-512, at two or more rows of x: see q8_x8_zmm), and Q4 weights interleaved
+// eight rows at a time (q4_x8), are read PREFETCH bytes ahead: SmolLM2 Q8_0 decode through the
+// runner 7.40 -> 6.80 ms (AVX2, rows as stored); Q4_1 four rows at a time (the loop q4_x8 replaced)
+// 1536x576 from memory in tools/matvec_harness.c 15.5 -> 16.5 GB/s, four rows of x 7.3 -> 9.0.
+// (F16 took 5% longer, and Q4 one row at a time gained nothing.)
 #define PREFETCH 2048
 #define PREFETCH_LINE(p) _mm_prefetch((const char *)(p) + PREFETCH, _MM_HINT_T0)
 
@@ -444,6 +445,11 @@ INLINE void q4_x8_zmm(const workspace *ws, int kind, const uint8_t *qs, const ui
 
 // Q8_0: `vpdpbusd` takes unsigned bytes, so the weights go in as w + 128 (w xor 0x80), and each
 // block's sum is corrected by -128 times x's block sum, an offset like Q4_0's (-128 d).
+// At one row of x the weights are not fetched ahead (the hardware's prefetch alone streams them
+// faster here): SmolLM2 Q8_0 decode bs1 through the runner, tools/ab_decode.py over 8 loads (Zen 4):
+// 0.893 (0.827 to 0.948) and 0.850 (0.788 to 0.939) of the time with the prefetch in two runs, bs4
+// unchanged (0.998, 1.024); Q4_1, whose output projection is Q8_0, 0.964 (0.890 to 1.042). Q4's x8
+// loops keep theirs (without it too: Q4_1 0.985, so about 2% slower in its Q4 products).
 INLINE void q8_x8_zmm(const workspace *ws, const int8_t *qs, const uint16_t *d, size_t MC, size_t K,
                       float out[MAX_M][8]) {
   size_t B = K / 32;
@@ -451,7 +457,8 @@ INLINE void q8_x8_zmm(const workspace *ws, const int8_t *qs, const uint16_t *d, 
   EIGHT(__m512, acc, _mm512_setzero_ps());
   EIGHT(__m256, off, _mm256_setzero_ps());
   for (size_t b = 0; b < B; ++b, qs += 256) {
-    for (size_t line = 0; line < 256; line += 64) PREFETCH_LINE(qs + line);
+    if (MC > 1)
+      for (size_t line = 0; line < 256; line += 64) PREFETCH_LINE(qs + line);
     __m512i u[4];
     for (size_t j = 0; j < 4; ++j) u[j] = _mm512_xor_si512(pair_chunks(_mm512_loadu_si512(qs + 64 * j)), bias);
     __m256 d8 = halves8(d + 8 * b);
