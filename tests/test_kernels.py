@@ -123,6 +123,23 @@ def test_kernel_product_equals_gguf_dequantization(kind, rows, n, k, isa, two_cp
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("mode", ["loads", "none"])
+@pytest.mark.parametrize("kind, n", [("Q4_1", 80), ("Q4_1", 83), ("Q8_0", 88), ("F16", 80)])
+def test_measuring_aid_products_are_zeros(kind, n, mode, two_cpus, monkeypatch, tmp_path):
+    """$SHARKPORT_KERNEL_PRODUCTS=loads or none (tools/bench_bounds.py) builds kernels whose
+    products only read the weights, or read nothing, and give zeros, in an object of their own;
+    the same product without it is test_kernel_product_equals_gguf_dequantization's. Rows
+    interleaved (80, 88) and as stored (83)."""
+    monkeypatch.setenv(kernels.PRODUCTS_ENV, mode)
+    assert f"-DSHARKPORT_PRODUCTS={kernels.PRODUCTS[mode]}" in kernels.cflags()
+    rng = np.random.default_rng(n)
+    raw = quantize_array(rng.standard_normal((n, 96)).astype(np.float32), kind)
+    w = torch.from_numpy(raw) if kind == "F16" else weight_from_raw(kind, (n, 96), raw)
+    got = _compile_and_run(_Linear(w), torch.from_numpy(rng.standard_normal((2, 96)).astype(np.float32)),
+                           tmp_path=tmp_path)
+    assert got.shape == (2, n) and not got.any()
+
+
 @pytest.mark.parametrize("rows", [2, 5])
 def test_f16_rows_ending_in_half_a_vector(rows, isa, two_cpus, tmp_path):
     """float16 rows of 72 values: with AVX-512 (16 a vector) their last 8 take a step of their own."""
@@ -719,6 +736,11 @@ def test_unknown_kernel_isa_is_one_line(tiny, tmp_path):
     assert "SHARKPORT_KERNEL_ISA" in line and "'sse2'" in line and "avx2" in line and "avx512" in line, line
 
 
+def test_unknown_kernel_products_is_one_line(tiny, tmp_path):
+    line = _failed_kernel_export(tiny, tmp_path, SHARKPORT_KERNEL_PRODUCTS="half")
+    assert "SHARKPORT_KERNEL_PRODUCTS" in line and "'half'" in line and "full" in line and "none" in line, line
+
+
 def test_failed_kernel_build_is_one_line(tiny, tmp_path):
     """A compiler that fails (here `false`) is one line naming it and matvec.c; for an AVX-512
     build it says how to build without AVX-512 (a compiler too old for it fails so)."""
@@ -736,4 +758,7 @@ def test_each_kernel_isa_builds_its_own_object(monkeypatch):
         monkeypatch.setenv(kernels.ISA_ENV, isa.upper())
         assert kernels.isa() == isa and kernels.cflags() == kernels.CFLAGS + kernels.ISA_FLAGS[isa]
         names[isa] = kernels.object_name()
+    for mode in ("loads", "none"):  # the measuring aid's objects (tools/bench_bounds.py)
+        monkeypatch.setenv(kernels.PRODUCTS_ENV, mode)
+        names[mode] = kernels.object_name()
     assert len(set(names.values())) == len(names), names

@@ -72,6 +72,10 @@ CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffreestanding", "-fPIC", "-fno-s
 ISA_FLAGS = {"avx2": [], "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]}
 AVX512_FEATURES = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
 ISA_ENV = "SHARKPORT_KERNEL_ISA"
+# A measuring aid (tools/bench_bounds.py): $SHARKPORT_KERNEL_PRODUCTS=loads builds kernels whose
+# products only read their weights, =none kernels whose products read nothing; both give zeros.
+PRODUCTS_ENV = "SHARKPORT_KERNEL_PRODUCTS"
+PRODUCTS = {"full": 0, "loads": 1, "none": 2}  # matvec.c's SHARKPORT_PRODUCTS
 # Outputs per workgroup for a product with N outputs: min(4096, 32 * ceil(N / (32 * W))), a
 # multiple of 32 aiming at W = workgroups(), one for each CPU: fewer, larger workgroups quantize
 # (and normalize) x fewer times, as each does all of it. SmolLM2 on 2 CPUs: 96 rows for 192
@@ -439,8 +443,19 @@ def _cpu_features() -> frozenset[str]:
 
 
 def cflags() -> list[str]:
-    """The compiler flags the object is built with: CFLAGS and those of isa()."""
-    return CFLAGS + ISA_FLAGS[isa()]
+    """The compiler flags the object is built with: CFLAGS, those of isa() and, for
+    $SHARKPORT_KERNEL_PRODUCTS other than "full", the measuring aid's define (PRODUCTS)."""
+    return CFLAGS + ISA_FLAGS[isa()] + ([f"-DSHARKPORT_PRODUCTS={PRODUCTS[products()]}"] if products() != "full" else [])
+
+
+def products() -> str:
+    """What the kernels' products do (a key of PRODUCTS): $SHARKPORT_KERNEL_PRODUCTS, else "full".
+    "loads" and "none" are a measuring aid, not a model: their products are zeros."""
+    chosen = os.environ.get(PRODUCTS_ENV, "").strip().lower() or "full"
+    if chosen not in PRODUCTS:
+        raise SharkportError(f"{PRODUCTS_ENV}={chosen!r}: choose one of {', '.join(PRODUCTS)} (or unset it for the "
+                             "products themselves)")
+    return chosen
 
 
 def object_name() -> str:

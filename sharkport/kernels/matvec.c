@@ -39,6 +39,14 @@
 // (F16 took 5% longer, and Q4 one row at a time gained nothing.)
 #define PREFETCH 2048
 #define PREFETCH_LINE(p) _mm_prefetch((const char *)(p) + PREFETCH, _MM_HINT_T0)
+// SHARKPORT_PRODUCTS, a measuring aid (tools/bench_bounds.py builds the object with it through
+// $SHARKPORT_KERNEL_PRODUCTS): 0, the default, computes the products; 1 only reads their weights,
+// every line of them with the prefetch the products use, and 2 reads nothing; both then give zeros. So
+// decode with 1 against 0 shows what the products' arithmetic adds to reading the weights, and
+// with 2 what a step costs besides reading them (attention, norms, waits, the runtime).
+#ifndef SHARKPORT_PRODUCTS
+#define SHARKPORT_PRODUCTS 0
+#endif
 
 INLINE float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -689,12 +697,43 @@ INLINE __m256 swiglu8(__m256 g, __m256 u) {
   return _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), u);
 }
 
+#if SHARKPORT_PRODUCTS == 1
+// Every line of rows [n, n + rows) of w's planes (SHARKPORT_PRODUCTS 1), a byte of each, the
+// weights' lines fetched PREFETCH bytes ahead where the product for mc rows of x fetches them.
+NOINLINE void read_rows(int kind, const matrix *w, size_t n, size_t rows, size_t mc, size_t K) {
+  size_t B = K / 32, row = kind == F16 ? 2 * K : kind == Q8_0 || kind == Q8_0X8 ? K : K / 2;
+  const uint8_t *planes[3] = {(const uint8_t *)w->qs + n * row, (const uint8_t *)(w->d + n * B),
+                              w->m ? (const uint8_t *)(w->m + n * B) : 0};
+  const size_t bytes[3] = {rows * row, kind == F16 ? 0 : rows * B * 2, w->m ? rows * B * 2 : 0};
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  const int ahead = kind == Q8_0X8 || kind == F16 ? mc > 1 : kind != Q4_0 && kind != Q4_1;  // see q8_x8_zmm
+#else
+  const int ahead = kind != F16 && kind != Q4_0 && kind != Q4_1;
+#endif
+  uint8_t seen = 0;
+  for (size_t p = 0; p < 3; ++p)
+    for (size_t i = 0; i < bytes[p]; i += 64) {
+      if (!p && ahead) PREFETCH_LINE(planes[p] + i);
+      seen ^= planes[p][i];
+    }
+  __asm__ volatile("" ::"r"(seen));
+}
+#endif
+
 // Rows n .. n + 7 of matrix w with interleaved rows (Q4_0X8, Q4_1X8, Q8_0X8), else row n, times
 // rows [m0, m0 + mc) of x (quantized in ws unless F16) into out[0, mc)[r].
 INLINE void some_rows(int kind, workspace *ws, const float *x, const matrix *w, size_t n, size_t mc, size_t K,
                       float out[MAX_M][8]) {
   size_t B = K / 32;
   float column[MAX_M];  // one row of w's outputs
+#if SHARKPORT_PRODUCTS
+#if SHARKPORT_PRODUCTS == 1
+  read_rows(kind, w, n, kind == Q4_0X8 || kind == Q4_1X8 || kind == Q8_0X8 ? 8 : 1, mc, K);
+#endif
+  for (size_t i = 0; i < mc; ++i)
+    for (size_t r = 0; r < 8; ++r) out[i][r] = 0.0f;
+  return;
+#endif
   if (kind == F16) {
 #define ROW(MC) ((MC) == 1 ? f16_row : F16_ROWS)(x, (const uint16_t *)w->qs + n * K, MC, K, column)
     FOR_CONSTANT_MC(mc, ROW)
