@@ -698,24 +698,27 @@ INLINE __m256 swiglu8(__m256 g, __m256 u) {
 }
 
 #if SHARKPORT_PRODUCTS == 1
-// Every line of rows [n, n + rows) of w's planes (SHARKPORT_PRODUCTS 1), a byte of each, the
-// weights' lines fetched PREFETCH bytes ahead where the product for mc rows of x fetches them.
+// Rows [n, n + rows) of w's planes read (SHARKPORT_PRODUCTS 1) in the products' order, a block of
+// 32 values of the rows at a time: a byte of each line of its weights, fetched PREFETCH bytes ahead
+// where the product for mc rows of x fetches them, and a byte of its scales (and offsets).
 NOINLINE void read_rows(int kind, const matrix *w, size_t n, size_t rows, size_t mc, size_t K) {
-  size_t B = K / 32, row = kind == F16 ? 2 * K : kind == Q8_0 || kind == Q8_0X8 ? K : K / 2;
-  const uint8_t *planes[3] = {(const uint8_t *)w->qs + n * row, (const uint8_t *)(w->d + n * B),
-                              w->m ? (const uint8_t *)(w->m + n * B) : 0};
-  const size_t bytes[3] = {rows * row, kind == F16 ? 0 : rows * B * 2, w->m ? rows * B * 2 : 0};
+  size_t B = K / 32, block = rows * (kind == F16 ? 64 : kind == Q8_0 || kind == Q8_0X8 ? 32 : 16);
+  const uint8_t *qs = (const uint8_t *)w->qs + n * B * (block / rows);
+  const uint8_t *d = kind == F16 ? 0 : (const uint8_t *)(w->d + n * B), *m = w->m ? (const uint8_t *)(w->m + n * B) : 0;
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
   const int ahead = kind == Q8_0X8 || kind == F16 ? mc > 1 : kind != Q4_0 && kind != Q4_1;  // see q8_x8_zmm
 #else
   const int ahead = kind != F16 && kind != Q4_0 && kind != Q4_1;
 #endif
   uint8_t seen = 0;
-  for (size_t p = 0; p < 3; ++p)
-    for (size_t i = 0; i < bytes[p]; i += 64) {
-      if (!p && ahead) PREFETCH_LINE(planes[p] + i);
-      seen ^= planes[p][i];
+  for (size_t b = 0; b < B; ++b, qs += block) {
+    for (size_t i = 0; i < block; i += 64) {
+      if (ahead) PREFETCH_LINE(qs + i);
+      seen ^= qs[i];
     }
+    if (d) seen ^= d[2 * rows * b];
+    if (m) seen ^= m[2 * rows * b];
+  }
   __asm__ volatile("" ::"r"(seen));
 }
 #endif
