@@ -2,8 +2,8 @@
 """What bounds decode bs1 on this machine (issue 6): a step split into reading the weights and
 the rest, measured side by side in one run.
 
-    python tools/bench_bounds.py [--types q4_1,q8_0,f16] [--rounds 6] [--loads 2] [--reuse]
-                                 [--work-dir artifacts/bounds] [--markdown out.md]
+    python tools/bench_bounds.py [--types q4_1,q8_0,f16] [--rounds 6] [--loads 2] [--steps 8] [--reuse]
+                                 [--work-dir artifacts/bounds] [--bench-dir artifacts/bench] [--markdown out.md]
 
 Each type's module (tools/bench.py's archive and export, decode bs1 only) is built three times,
 with the kernels' products computing ("full"), only reading their weights, every line with the
@@ -57,7 +57,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="interleaved measuring rounds (default 6)")
     parser.add_argument("--loads", type=int, default=2, help="sessions of each module, their steps pooled (default 2)")
     parser.add_argument("--steps", type=int, default=8, help="measured decode steps a module and round (default 8)")
-    parser.add_argument("--work-dir", type=Path, default=Path("artifacts/bounds"))
+    parser.add_argument("--work-dir", type=Path, default=Path("artifacts/bounds"),
+                        help="where the modules are built (default artifacts/bounds)")
     parser.add_argument("--bench-dir", type=Path, default=Path("artifacts/bench"),
                         help="tools/bench.py's work dir, whose archives are used where present")
     parser.add_argument("--reuse", action="store_true", help="reuse the modules already in --work-dir")
