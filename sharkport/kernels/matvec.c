@@ -41,9 +41,10 @@
 #define PREFETCH_LINE(p) _mm_prefetch((const char *)(p) + PREFETCH, _MM_HINT_T0)
 // SHARKPORT_PRODUCTS, a measuring aid (tools/bench_bounds.py builds the object with it through
 // $SHARKPORT_KERNEL_PRODUCTS): 0, the default, computes the products; 1 only reads their weights,
-// every line of them with the prefetch the products use, and 2 reads nothing; both then give zeros. So
-// decode with 1 against 0 shows what the products' arithmetic adds to reading the weights, and
-// with 2 what a step costs besides reading them (attention, norms, waits, the runtime).
+// every line of them with the prefetch the products use (read_rows), and 2 reads nothing; both
+// then give zeros. So decode with 1 against 0 shows what the products' arithmetic adds to reading
+// the weights, and with 2 what a step costs besides reading them (attention, norms, waits, the
+// runtime).
 #ifndef SHARKPORT_PRODUCTS
 #define SHARKPORT_PRODUCTS 0
 #endif
