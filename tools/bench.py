@@ -106,10 +106,11 @@ class BandwidthProbe:
                             "-o", str(self.exe)], check=True)
         self.how = "tools/read_bandwidth.c, a thread per CPU" if cc else "torch sum (no C compiler)"
 
-    def __call__(self) -> float:
+    def __call__(self, size: int = 512 << 20) -> float:
+        """Bytes/s reading `size` bytes (default 512 MiB)."""
         if self.exe:
-            return float(subprocess.run([str(self.exe)], check=True, capture_output=True, text=True).stdout)
-        a = torch.ones(128 * 1024 * 1024, dtype=torch.float32)
+            return float(subprocess.run([str(self.exe), str(size)], check=True, capture_output=True, text=True).stdout)
+        a = torch.ones(size // 4, dtype=torch.float32)
         threads, best = torch.get_num_threads(), 0.0
         for n in (1, 2):
             torch.set_num_threads(n)

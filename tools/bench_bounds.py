@@ -30,24 +30,26 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench import BandwidthProbe, Subject, emit, make_archive, warm_up, weight_bytes
+from bench import EXPORT, MODEL, BandwidthProbe, Subject, emit, make_archive, warm_up, weight_bytes
 
 from sharkport import kernels
 from sharkport.archive import Dataset
 
-MODES = {"full": "products computed", "loads": "products only reading their weights",
-         "none": "products reading nothing"}
+MODES = ("full", "loads", "none")  # kernels.PRODUCTS
 TARGET = 0.8  # issue 6: decode bs1 at 80% of the limit
 
 
 def build(irpa: Path, mode: str, stem: Path) -> None:
-    """The bench's export of decode bs1 with `mode`'s kernels, compiled: stem.{mlir,json,vmfb}
-    (`python -m sharkport.export` with $SHARKPORT_KERNEL_PRODUCTS set for it alone)."""
+    """The bench's export (tools/bench.py's EXPORT and MODEL) at batch size 1 with `mode`'s kernels,
+    compiled: stem.{mlir,json,vmfb} (`python -m sharkport.export` with $SHARKPORT_KERNEL_PRODUCTS set
+    for it alone)."""
+    assert EXPORT.matvec_kernels and MODEL.prefill_final_logits
     env = dict(os.environ, **{kernels.PRODUCTS_ENV: mode})
     subprocess.run([sys.executable, "-m", "sharkport.export", "--irpa-file", str(irpa),
                     "--output-mlir", f"{stem}.mlir", "--output-config", f"{stem}.json",
                     "--output-vmfb", f"{stem}.vmfb", "--bs-prefill", "1", "--bs-decode", "1",
-                    "--block-seq-stride", "32", "--device-block-count", "64", "--max-seq-len", "2048",
+                    "--block-seq-stride", str(EXPORT.block_seq_stride),
+                    "--device-block-count", str(EXPORT.device_block_count), "--max-seq-len", str(EXPORT.max_seq_len),
                     "--prefill-final-logits", "--matvec-kernels"], check=True, env=env)
 
 
@@ -76,13 +78,6 @@ def main() -> None:
     w.mkdir(parents=True, exist_ok=True)
 
     probe = BandwidthProbe()
-    if not probe.exe:
-        raise SystemExit("bench_bounds: tools/read_bandwidth.c needs a C compiler ($CC or cc)")
-
-    def plain_read(size: int) -> float:
-        """tools/read_bandwidth.c over `size` bytes, a thread per CPU, best of 10: bytes/s."""
-        return float(subprocess.run([str(probe.exe), str(size)], check=True, capture_output=True, text=True).stdout)
-
     rows: dict[str, dict[str, str]] = {}
 
     def row(name: str, t: str, value: str) -> None:
@@ -107,7 +102,7 @@ def main() -> None:
         for r in range(args.rounds):
             print(f"{t}: round {r + 1} of {args.rounds} ...", file=sys.stderr, flush=True)
             probes.append(probe())
-            reads.append(plain_read(stored))
+            reads.append(probe(stored))
             for mode in MODES if r % 2 == 0 else reversed(MODES):  # the order alternating
                 for s in subjects[mode]:
                     warm_up(s.decode, 1)
@@ -135,7 +130,7 @@ def main() -> None:
             f"{budget - stored / plain * 1e3:.3f}")
 
     header = (f"SmolLM2-135M-Instruct, {os.cpu_count()} CPUs, kernels {kernels.isa()}; probe: {probe.how}, "
-              f"best of 10, one a round; {args.rounds} rounds of {args.steps} decode bs1 steps a module, "
+              f"one a round; {args.rounds} rounds of {args.steps} decode bs1 steps a module, "
               f"{args.loads} load{'s' if args.loads > 1 else ''} of each; medians")
     lines = [header, "", "| measure | " + " | ".join(t.upper() for t in types) + " |", "|---|" + "---|" * len(types)]
     lines += [f"| {name} | " + " | ".join(values.get(t, "–") for t in types) + " |" for name, values in rows.items()]

@@ -445,8 +445,8 @@ def _cpu_features() -> frozenset[str]:
 def cflags() -> list[str]:
     """The compiler flags the object is built with: CFLAGS, those of isa() and, for
     $SHARKPORT_KERNEL_PRODUCTS other than "full", the measuring aid's define (PRODUCTS)."""
-    aid = [f"-DSHARKPORT_PRODUCTS={PRODUCTS[products()]}"] if products() != "full" else []
-    return CFLAGS + ISA_FLAGS[isa()] + aid
+    aid = PRODUCTS[products()]
+    return CFLAGS + ISA_FLAGS[isa()] + ([f"-DSHARKPORT_PRODUCTS={aid}"] if aid else [])
 
 
 def products() -> str:
