@@ -649,6 +649,20 @@ def test_blocks_compute_what_the_five_kernels_do_on_any_worker_count(kernel_modu
                              f"--task_topology_group_count={workers}")
         np.testing.assert_array_equal(got, five, err_msg=f"{workers} IREE workers")
 
+    # exported for 3 CPUs: three spans of each product's chunks, of unequal lengths (the tiny
+    # model's 64 outputs are two chunks, so one span is empty), whatever is left taken from the
+    # other spans' backs, on 2 workers and on 1
+    monkeypatch.undo()
+    monkeypatch.setattr(kernels, "_cpus", lambda: 3)
+    output, service = export_model(Dataset.load(irpa), dataclasses.replace(TINY_EXPORT, matvec_kernels=True))
+    save_export(output, service, tmp_path / "three.mlir", tmp_path / "three.json")
+    assert re.search(r"sharkport_ffn_block_\w+_wg3", (tmp_path / "three.mlir").read_text())
+    compile_mlir(tmp_path / "three.mlir", tmp_path / "three.vmfb")
+    for workers in (2, 1):
+        got = _decode_logits((tmp_path / "three.vmfb", irpa, tmp_path / "three.json"), tmp_path, f"three{workers}",
+                             f"--task_topology_group_count={workers}")
+        np.testing.assert_array_equal(got, five, err_msg=f"three workgroups on {workers} IREE workers")
+
 
 def test_q4_rows_are_interleaved_once_as_the_module_loads(kernel_module, quantized_tiny, monkeypatch, tmp_path):
     """Q4 products read their weights with rows interleaved eight at a time (kernels.interleave_rows,

@@ -56,16 +56,15 @@ MAX_K = 32 * 512  # longest rows of w: a workgroup keeps x quantized (MAX_K byte
 MAX_NORMED = 8192
 # decode attention: query heads per kv head times head_dim, and positions per page, it takes
 MAX_GD, MAX_STRIDE = 2048, 256
-# int32 phase counters of a block dispatch (matvec.c's BLOCK_COUNTERS, COUNTER_STRIDE = 16 apart):
-# two a phase (at most three phases) and one of the workgroups that left
-BLOCK_COUNTERS = 7 * 16
+# outputs a chunk of a block's product takes (the block kernels' chunk_* arguments): a multiple
+# of the interleaved rows' 8
+BLOCK_CHUNK_ROWS = 32
 # prefill attention: the longest head, and query heads per kv head times head_dim, it takes
 PREFILL_MAX_D, PREFILL_MAX_GD = 256, 1024  # matvec.c's PA_MAX_D, PA_MAX_GD
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffreestanding", "-fPIC", "-fno-stack-protector",
           "-fno-asynchronous-unwind-tables", "-fno-plt", "-fvisibility=hidden", "-std=c11",
           f"-DMAX_BLOCKS={MAX_K // 32}", f"-DXQ_BYTES={MAX_K}",
-          f"-DXN_FLOATS={MAX_NORMED}", f"-DMAX_GD={MAX_GD}", f"-DMAX_STRIDE={MAX_STRIDE}",
-          f"-DBLOCK_COUNTERS={BLOCK_COUNTERS}"]
+          f"-DXN_FLOATS={MAX_NORMED}", f"-DMAX_GD={MAX_GD}", f"-DMAX_STRIDE={MAX_STRIDE}"]
 # Instruction sets the object is built for (isa()): "avx2" runs on any x86-64 CPU of the last
 # decade; "avx512" adds AVX-512 with VNNI, for which matvec.c's interleaved products run 64-byte
 # vectors and `vpdpbusd` (q4_x8_zmm, q8_x8_zmm). /proc/cpuinfo's names of the features it needs.
@@ -369,6 +368,13 @@ def kv_heads_per_workgroup(batch: int, kv_heads: int, gd: int) -> int:
     each sequence (batch 1: one per kv head)."""
     fits = [w for w in range(1, kv_heads + 1) if kv_heads % w == 0 and w * gd <= MAX_GD]
     return max([w for w in fits if batch * (kv_heads // w) >= _cpus()], default=1)
+
+
+def block_counters() -> int:
+    """int32 phase counters of a block dispatch (matvec.c's BLOCK_COUNTERS(W), each on a line of
+    16): for each of at most three phases a line for each workgroup's span and one of the items
+    finished, and one line of the workgroups that left."""
+    return (3 * (workgroups() + 1) + 1) * 16
 
 
 def workgroups() -> int:

@@ -787,51 +787,68 @@ static void rms_norm_rows(const float *x, const float *g, float eps, size_t M, s
   }
 }
 
+// Rows [m0, m0 + mc) of x [M, K] (after x RMS-normalized by g into ws->xn where g is not null:
+// `normed`, the rows to use) prepared in ws for the products of weights of `kind`: quantized in
+// blocks of 32 (and paired, for Q4), unless F16. Returns where x's rows are, normalized or not.
+INLINE const float *prepare_x(int kind, const float *x, const float *g, float eps, size_t M, size_t K, size_t m0,
+                              size_t mc, workspace *ws) {
+  if (g) {
+    if (m0 == 0) rms_norm_rows(x, g, eps, M, K, ws->xn);
+    x = ws->xn;
+  }
+  if (kind != F16) quantize_x(x + m0 * K, mc, K, ws->q, ws->xd, ws->xs);
+  if (kind == Q4_0 || kind == Q4_1) pair_blocks(ws->q, mc, K);
+  return x;
+}
+
+// Outputs [n0, n1) of the product of rows [m0, m0 + mc) of x [M, K] (prepared in ws by
+// prepare_x) with the `count` matrices w. CONCAT: N outputs, the rows of the matrices one after
+// the other, and y the products [M, w[j].n] one after the other (so that each is a contiguous
+// tensor); SWIGLU: N = w[0].n and y [M, N]. Interleaved weights go eight rows at a time: each
+// matrix's rows, and so n0, are a multiple of 8. With a residual r (CONCAT, laid out as y), y =
+// r + product.
+INLINE void product_rows(int kind, int op, workspace *ws, const float *x, const matrix *w, size_t count,
+                         const float *r, float *y, size_t M, size_t N, size_t K, size_t m0, size_t mc, size_t n0,
+                         size_t n1) {
+  const size_t group = kind == Q4_0X8 || kind == Q4_1X8 || kind == Q8_0X8 ? 8 : 1;  // rows of w at a time
+  size_t j = 0, first = 0;  // the matrix holding output n, its first output
+  for (size_t n = n0; n < n1; n += group) {
+    while (op == CONCAT && j + 1 < count && n >= first + w[j].n) first += w[j++].n;
+    float out[MAX_M][8];
+    some_rows(kind, ws, x + m0 * K, &w[j], n - first, mc, K, out);
+    if (op == SWIGLU) {
+      float up[MAX_M][8];
+      some_rows(kind, ws, x + m0 * K, &w[1], n, mc, K, up);
+      for (size_t i = 0; i < mc; ++i) {
+        float *yi = y + (m0 + i) * N + n;
+        if (group == 8)  // the group's eight outputs at once
+          _mm256_storeu_ps(yi, swiglu8(_mm256_loadu_ps(out[i]), _mm256_loadu_ps(up[i])));
+        else
+          yi[0] = silu(out[i][0]) * up[i][0];
+      }
+    } else {
+      for (size_t i = 0; i < mc; ++i)
+        for (size_t c = 0; c < group; ++c) {
+          size_t at = first * M + (m0 + i) * w[j].n + n - first + c;
+          y[at] = r ? r[at] + out[i][c] : out[i][c];
+        }
+    }
+  }
+}
+
 // Outputs [n0, n1) of workgroup wg (`rows` per workgroup) of the product of x [M, K] with the
-// `count` matrices w. CONCAT: N outputs, the rows of the matrices one after the other, and y the
-// products [M, w[j].n] one after the other (so that each is a contiguous tensor); SWIGLU:
-// N = w[0].n and y [M, N]. Interleaved weights go eight rows at a time: each matrix's rows, and
-// so the workgroup's (a multiple of 32), are a multiple of 8.
-// With a norm weight g [K] (not null), x is first RMS-normalized by it (each workgroup normalizes
-// all of x, M * K <= XN_FLOATS values); with a residual r (CONCAT, laid out as y), y = r + product.
-// So a decode layer's norms and residual adds take no dispatch of their own.
+// `count` matrices w (see product_rows). With a norm weight g [K] (not null), x is first
+// RMS-normalized by it (each workgroup normalizes all of x, M * K <= XN_FLOATS values). So a
+// decode layer's norms and residual adds take no dispatch of their own.
 INLINE void matvec(int kind, int op, const float *x, const float *g, float eps, const matrix *w, size_t count,
                    const float *r, float *y, size_t M, size_t N, size_t K, size_t rows, size_t wg) {
   ROW_RANGE
   if (K / 32 > MAX_BLOCKS || (g && M * K > XN_FLOATS)) return;  // never traced: kernels routes only these
   workspace ws;
-  if (g) {
-    rms_norm_rows(x, g, eps, M, K, ws.xn);
-    x = ws.xn;
-  }
-  const size_t group = kind == Q4_0X8 || kind == Q4_1X8 || kind == Q8_0X8 ? 8 : 1;  // rows of w at a time
   for (size_t m0 = 0, mc; m0 < M; m0 += mc) {
     mc = kind == F16 ? (M - m0 < MAX_M ? M - m0 : MAX_M) : chunk_rows(M, m0, K);
-    if (kind != F16) quantize_x(x + m0 * K, mc, K, ws.q, ws.xd, ws.xs);
-    if (kind == Q4_0 || kind == Q4_1) pair_blocks(ws.q, mc, K);
-    size_t j = 0, first = 0;  // the matrix holding output n, its first output
-    for (size_t n = n0; n < n1; n += group) {
-      while (op == CONCAT && j + 1 < count && n >= first + w[j].n) first += w[j++].n;
-      float out[MAX_M][8];
-      some_rows(kind, &ws, x + m0 * K, &w[j], n - first, mc, K, out);
-      if (op == SWIGLU) {
-        float up[MAX_M][8];
-        some_rows(kind, &ws, x + m0 * K, &w[1], n, mc, K, up);
-        for (size_t i = 0; i < mc; ++i) {
-          float *yi = y + (m0 + i) * N + n;
-          if (group == 8)  // the group's eight outputs at once
-            _mm256_storeu_ps(yi, swiglu8(_mm256_loadu_ps(out[i]), _mm256_loadu_ps(up[i])));
-          else
-            yi[0] = silu(out[i][0]) * up[i][0];
-        }
-      } else {
-        for (size_t i = 0; i < mc; ++i)
-          for (size_t c = 0; c < group; ++c) {
-            size_t at = first * M + (m0 + i) * w[j].n + n - first + c;
-            y[at] = r ? r[at] + out[i][c] : out[i][c];
-          }
-      }
-    }
+    const float *xm = prepare_x(kind, x, g, eps, M, K, m0, mc, &ws);
+    product_rows(kind, op, &ws, xm, w, count, r, y, M, N, K, m0, mc, n0, n1);
   }
 }
 
@@ -1366,52 +1383,94 @@ void sharkport_prefill_attention(MEMREF(const float, q), MEMREF(const float, k),
 // layer's five dispatches become two. IREE has no barrier inside a dispatch and does not promise
 // that a dispatch's workgroups run at once (a worker may run them one after the other), so each
 // workgroup runs every phase, and the work of a phase is shared out as items that any workgroup
-// claims from an atomic counter; a workgroup that finds a phase's items all claimed waits until
-// they are finished (a second counter), then goes on to the next phase. A workgroup never waits
-// while it holds an unfinished item, and only a running workgroup claims one, so every claimed
-// item gets finished, whether the workgroups run together or one at a time. The counters are
-// an operand the dispatch updates in place (a global of the module, zero at first), which the
-// last workgroup to leave zeroes again for the next call (a fill before each dispatch cost about
-// 2 us: SmolLM2 Q4_1 decode bs1 1.940 against 1.808 ms); phase p claims at counters[2 p *
-// COUNTER_STRIDE] and counts its finished items at counters[(2 p + 1) * COUNTER_STRIDE], each on a
-// cache line of its own. A workgroup waiting at the end of a phase fetches the weights of the next
-// phase's first item (await_items), so that its waiting reads ahead: bs1 1.892 -> 1.781 ms. The
-// phases' work are functions of their own (NOINLINE), so that a workgroup's stack holds one phase's
-// workspace at a time. Intermediate results go to the dispatch's result after the block's output
-// y [M, E]. SmolLM2 Q4_1 decode, side by side with five dispatches a layer (157 -> 67 a step;
-// logits bit-identical): bs1 1.897 -> 1.781 ms, bs4 2.905 -> 2.778.
+// claims with atomics; a workgroup that finds a phase's items all claimed waits until they are
+// finished (a counter), then goes on to the next phase. A workgroup never waits while it holds an
+// unfinished item, and only a running workgroup claims one, so every claimed item gets finished,
+// whether the workgroups run together or one at a time. The counters are an operand the dispatch
+// updates in place (a global of the module, zero at first), which the last workgroup to leave
+// zeroes again for the next call (a fill before each dispatch cost about 2 us: SmolLM2 Q4_1 decode
+// bs1 1.940 against 1.808 ms). A workgroup waiting at the end of a phase fetches the weights it
+// will likely take first in the next phase (await_items), so that its waiting reads ahead: bs1
+// 1.892 -> 1.781 ms. The phases' work are functions of their own (NOINLINE), so that a
+// workgroup's stack holds one phase's workspace at a time. Intermediate results go to the
+// dispatch's result after the block's output y [M, E]. SmolLM2 Q4_1 decode, side by side with five
+// dispatches a layer (157 -> 67 a step; logits bit-identical): bs1 1.897 -> 1.781 ms, bs4 2.905 ->
+// 2.778.
+//
+// A product's outputs are chunks of `chunk` rows (kernels.BLOCK_CHUNK_ROWS), in one span of
+// consecutive chunks for each workgroup. A workgroup normalizes and quantizes x once for the
+// phase, takes its own span's chunks from the front, in address order (one stream of weights,
+// whose prefetch runs on from chunk to chunk), then whatever is left of the other spans from their
+// back, and counts its chunks finished once, at the end. Before, a phase was one item per
+// workgroup, so the later one held the other at every phase's end (profile of SmolLM2 Q4_1 decode
+// bs1: 10% of the samples waiting, 4% with spans), and smaller items, each quantizing x again and
+// starting a stream of its own, were slower. Decode side by side (tools/ab_decode.py, 6 to 10
+// loads): Q4_1 bs1 0.969, 0.982 and 0.985 of the time; Q8_0 0.973; F16 0.960; bs4 0.997, 1.017
+// and 0.960; logits bit-identical.
 #define COUNTER_STRIDE 16
 
-_Static_assert(BLOCK_COUNTERS >= 7 * COUNTER_STRIDE, "three phases' counters and the one of those that left");
+// The counters, each on a cache line of its own (COUNTER_STRIDE int32 apart): of phase p, the
+// span s of its product at line p (W + 1) + s (the chunks taken from its front and from its back,
+// as one int64; the attention's items: an int32 counter), those it finished at line p (W + 1) + W;
+// of the workgroups that left, line 3 (W + 1); W workgroups (kernels.block_counters: the same).
+#define SPAN_LINE(p, s, W) ((p) * ((W) + 1) + (s))
+#define FINISHED_LINE(p, W) ((p) * ((W) + 1) + (W))
+#define BLOCK_COUNTERS(W) ((3 * ((W) + 1) + 1) * COUNTER_STRIDE)
 
 // After its last phase each workgroup leaves, and the last of the `workgroups` to leave zeroes the
-// counters (BLOCK_COUNTERS of them, from CFLAGS; the last line counts those that left) for the
-// dispatch's next call.
+// counters for the dispatch's next call.
 INLINE void leave(int32_t *counters, size_t workgroups) {
-  int32_t *left = counters + BLOCK_COUNTERS - COUNTER_STRIDE;
+  int32_t *left = counters + BLOCK_COUNTERS(workgroups) - COUNTER_STRIDE;
   if ((size_t)__atomic_add_fetch(left, 1, __ATOMIC_ACQ_REL) == workgroups)
-    for (size_t i = 0; i < BLOCK_COUNTERS; ++i) __atomic_store_n(counters + i, 0, __ATOMIC_RELAXED);
+    for (size_t i = 0; i < BLOCK_COUNTERS(workgroups); ++i) __atomic_store_n(counters + i, 0, __ATOMIC_RELAXED);
 }
 
 INLINE size_t claim_item(int32_t *claimed) { return (size_t)__atomic_fetch_add(claimed, 1, __ATOMIC_RELAXED); }
-INLINE void finish_item(int32_t *finished) { __atomic_fetch_add(finished, 1, __ATOMIC_RELEASE); }
+INLINE void finish_items(int32_t *finished, size_t n) {
+  if (n) __atomic_fetch_add(finished, (int32_t)n, __ATOMIC_RELEASE);
+}
 
-// What a workgroup fetches while it waits at the end of a phase: the weights of the next phase's
-// first item (up to three planes), which it will likely claim, being the first to go on.
+// Takes one of a span's `chunks` chunks, from its front (the low 32 bits of *span count those
+// taken there) or its back (the high 32 bits): its index in the span in *chunk, or 0 when none
+// is left.
+INLINE int claim_chunk(int64_t *span, size_t chunks, int back, size_t *chunk) {
+  int64_t now = __atomic_load_n(span, __ATOMIC_RELAXED);
+  for (;;) {
+    size_t front = (uint32_t)now, taken_back = (uint32_t)((uint64_t)now >> 32);
+    if (front + taken_back >= chunks) return 0;
+    int64_t next = now + (back ? (int64_t)1 << 32 : 1);
+    if (__atomic_compare_exchange_n(span, &now, next, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+      *chunk = back ? chunks - 1 - taken_back : front;
+      return 1;
+    }
+  }
+}
+
+// What a workgroup fetches while it waits at the end of a phase: the weights it will take first in
+// the next phase (up to three planes).
 typedef struct {
   const char *at[3];
   size_t bytes[3];
 } upcoming;
 
-// The first `rows` rows of w [N, K] (with interleaved rows, the first rows / 8 groups).
-INLINE upcoming first_rows(int kind, const matrix *w, size_t rows, size_t K) {
-  size_t B = K / 32;
+// Rows [n, n + rows) of w [N, K] (n a multiple of 8 with interleaved rows).
+INLINE upcoming weight_rows(int kind, const matrix *w, size_t n, size_t rows, size_t K) {
+  size_t B = K / 32, row = kind == F16 ? 2 * K : kind == Q8_0 || kind == Q8_0X8 ? K : K / 2;
   upcoming u = {{0}, {0}};
-  u.at[0] = (const char *)w->qs;
-  u.bytes[0] = rows * (kind == F16 ? 2 * K : kind == Q8_0 || kind == Q8_0X8 ? K : K / 2);
-  if (kind != F16) u.at[1] = (const char *)w->d, u.bytes[1] = rows * B * 2;
-  if (w->m) u.at[2] = (const char *)w->m, u.bytes[2] = rows * B * 2;
+  u.at[0] = (const char *)w->qs + n * row, u.bytes[0] = rows * row;
+  if (kind != F16) u.at[1] = (const char *)(w->d + n * B), u.bytes[1] = rows * B * 2;
+  if (w->m) u.at[2] = (const char *)(w->m + n * B), u.bytes[2] = rows * B * 2;
   return u;
+}
+
+// The chunks of a product of N outputs, and of each span.
+INLINE size_t chunks_of(size_t N, size_t chunk) { return (N + chunk - 1) / chunk; }
+INLINE size_t span_chunks(size_t N, size_t chunk, size_t W) { return (chunks_of(N, chunk) + W - 1) / W; }
+
+// The rows of w [N, K] in workgroup wg's span: what it takes first.
+INLINE upcoming own_span(int kind, const matrix *w, size_t K, size_t chunk, size_t W, size_t wg) {
+  size_t n = wg * span_chunks(w->n, chunk, W) * chunk, end = n + span_chunks(w->n, chunk, W) * chunk;
+  return weight_rows(kind, w, n < w->n ? n : w->n, (end < w->n ? end : w->n) - (n < w->n ? n : w->n), K);
 }
 
 INLINE void await_items(int32_t *finished, size_t items, upcoming next) {
@@ -1429,18 +1488,37 @@ INLINE void await_items(int32_t *finished, size_t items, upcoming next) {
   }
 }
 
-// Items [0, items) of phase p, each by `call` (of `item`) in whichever workgroup claims it; then
-// waits until all of them are finished, fetching `next` meanwhile.
-#define PHASE(counters, p, items, call, next)                                                         \
-  {                                                                                                   \
-    int32_t *claimed = (counters) + 2 * (p) * COUNTER_STRIDE, *finished = claimed + COUNTER_STRIDE;   \
-    for (size_t item; (item = claim_item(claimed)) < (items);) {                                      \
-      call;                                                                                           \
-      finish_item(finished);                                                                          \
-    }                                                                                                 \
-    await_items(finished, items, next);                                                               \
+// Phase p of a block, a product (see product_rows) of x [M, K] (normalized by g where not null)
+// in chunks of `chunk` outputs, shared out in spans among W workgroups (this one wg); then waits
+// until all its chunks are finished, fetching `next` meanwhile.
+INLINE void product_phase(int kind, int op, const float *x, const float *g, float eps, const matrix *w, size_t count,
+                          const float *r, float *y, size_t M, size_t N, size_t K, size_t chunk, int32_t *counters,
+                          size_t p, size_t W, size_t wg, upcoming next) {
+  if (K / 32 > MAX_BLOCKS || (g && M * K > XN_FLOATS)) return;  // never traced: kernels routes only these
+  workspace ws;
+  size_t whole = kind == F16 ? M <= MAX_M : chunk_rows(M, 0, K) == M;  // x prepared once for the phase
+  const float *xm = whole ? prepare_x(kind, x, g, eps, M, K, 0, M, &ws) : x;
+  size_t per = span_chunks(N, chunk, W), total = chunks_of(N, chunk), done = 0;
+  for (size_t k = 0; k < W; ++k) {  // its own span from the front, then the others' from their back
+    size_t s = (wg + k) % W, lo = s * per, c;
+    size_t chunks = lo < total ? (total - lo < per ? total - lo : per) : 0;
+    while (claim_chunk((int64_t *)(counters + SPAN_LINE(p, s, W) * COUNTER_STRIDE), chunks, k != 0, &c)) {
+      size_t n0 = (lo + c) * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
+      if (whole)
+        product_rows(kind, op, &ws, xm, w, count, r, y, M, N, K, 0, M, n0, n1);
+      else
+        for (size_t m0 = 0, mc; m0 < M; m0 += mc) {
+          mc = kind == F16 ? (M - m0 < MAX_M ? M - m0 : MAX_M) : chunk_rows(M, m0, K);
+          const float *xc = prepare_x(kind, x, g, eps, M, K, m0, mc, &ws);
+          product_rows(kind, op, &ws, xc, w, count, r, y, M, N, K, m0, mc, n0, n1);
+        }
+      ++done;
+    }
   }
-#define ITEMS(n, rows) (((n) + (rows) - 1) / (rows))
+  int32_t *finished = counters + FINISHED_LINE(p, W) * COUNTER_STRIDE;
+  finish_items(finished, done);
+  await_items(finished, total, next);
+}
 
 NOINLINE void attention_item(const int f16, const float *q, const float *knew, const float *vnew, void *cache,
                              const int64_t *pages, const int64_t *starts, const int64_t *lens, const int64_t *layer,
@@ -1457,32 +1535,32 @@ NOINLINE void attention_item(const int f16, const float *q, const float *knew, c
 
 // The block kernels of weight type T (the attention block's planes: q's, k's, v's, then the
 // output projection's; the FFN block's: gate's, up's, down's), h [M, E], y [M, E] and then the
-// intermediates; `rows_*`: outputs an item of each product. The attention block's cache of
-// element type C (uint16_t: float16) and its other operands are decode attention's.
+// intermediates; `chunk_*`: outputs a chunk of each product takes. The attention block's cache
+// of element type C (uint16_t: float16) and its other operands are decode attention's; its
+// attention phase's items are claimed one at a time from one counter.
 #define DEFINE_BLOCK_KERNELS(T, lower)                                                                               \
-  NOINLINE void concat_item_##lower(const float *x, const float *g, float eps, const matrix *w, size_t count,        \
-                                    const float *r, float *y, size_t M, size_t N, size_t K, size_t rows,             \
-                                    size_t item) {                                                                   \
-    matvec(T, CONCAT, x, g, eps, w, count, r, y, M, N, K, rows, item);                                               \
+  NOINLINE void concat_phase_##lower(const float *x, const float *g, float eps, const matrix *w, size_t count,       \
+                                     const float *r, float *y, size_t M, size_t N, size_t K, size_t chunk,           \
+                                     int32_t *counters, size_t p, size_t W, size_t wg, upcoming next) {              \
+    product_phase(T, CONCAT, x, g, eps, w, count, r, y, M, N, K, chunk, counters, p, W, wg, next);                   \
   }                                                                                                                  \
-  NOINLINE void swiglu_item_##lower(const float *x, const float *g, float eps, const matrix *w, float *y, size_t M,  \
-                                    size_t N, size_t K, size_t rows, size_t item) {                                  \
-    matvec(T, SWIGLU, x, g, eps, w, 2, 0, y, M, N, K, rows, item);                                                   \
+  NOINLINE void swiglu_phase_##lower(const float *x, const float *g, float eps, const matrix *w, float *y, size_t M, \
+                                     size_t N, size_t K, size_t chunk, int32_t *counters, size_t p, size_t W,        \
+                                     size_t wg, upcoming next) {                                                     \
+    product_phase(T, SWIGLU, x, g, eps, w, 2, 0, y, M, N, K, chunk, counters, p, W, wg, next);                       \
   }                                                                                                                  \
   void sharkport_ffn_block_##lower(MEMREF(const float, x), MEMREF(const float, g), ARGS_##T(a), ARGS_##T(b),         \
                                    ARGS_##T(c), MEMREF(int32_t, phase_counters), MEMREF(float, y), size_t M, size_t E, \
-                                   size_t I, size_t rows_up, size_t rows_down, float eps, size_t workgroups,         \
+                                   size_t I, size_t chunk_up, size_t chunk_down, float eps, size_t workgroups,       \
                                    size_t wg) {                                                                      \
-    (void)wg;                                                                                                        \
     matrix gate_up[2] = {MAT_##T(a, I), MAT_##T(b, I)}, down[1] = {MAT_##T(c, E)};                                   \
     const float *h = BASE(x);                                                                                        \
     float *out = BASE(y), *act = out + M * E;                                                                        \
     int32_t *counters = BASE(phase_counters);                                                                        \
     const upcoming nothing = {{0}, {0}};                                                                             \
-    PHASE(counters, 0, ITEMS(I, rows_up), swiglu_item_##lower(h, BASE(g), eps, gate_up, act, M, I, E, rows_up, item), \
-          first_rows(T, down, rows_down, I))                                                                         \
-    PHASE(counters, 1, ITEMS(E, rows_down), concat_item_##lower(act, 0, 0, down, 1, h, out, M, E, I, rows_down, item), \
-          nothing)                                                                                                   \
+    swiglu_phase_##lower(h, BASE(g), eps, gate_up, act, M, I, E, chunk_up, counters, 0, workgroups, wg,              \
+                         own_span(T, down, I, chunk_down, workgroups, wg));                                          \
+    concat_phase_##lower(act, 0, 0, down, 1, h, out, M, E, I, chunk_down, counters, 1, workgroups, wg, nothing);     \
     leave(counters, workgroups);                                                                                     \
   }                                                                                                                  \
   ATTENTION_BLOCK(T, lower, float, 0, )                                                                              \
@@ -1493,24 +1571,25 @@ NOINLINE void attention_item(const int f16, const float *q, const float *knew, c
       MEMREF(const int64_t, pages), MEMREF(const int64_t, starts), MEMREF(const int64_t, lens),                      \
       MEMREF(const int64_t, layer), MEMREF(const float, rcos), MEMREF(const float, rsin), ARGS_##T(o),               \
       MEMREF(int32_t, phase_counters), MEMREF(float, y), size_t blocks, size_t M, size_t E, size_t H, size_t Hkv,    \
-      size_t D, size_t L, size_t stride, size_t R, size_t interleaved, size_t hpw, float scale, size_t rows_qkv,     \
-      size_t rows_o, float eps, size_t workgroups, size_t wg) {                                                      \
-    (void)wg;                                                                                                        \
-    size_t Nq = H * D, Nkv = Hkv * D, Nqkv = Nq + 2 * Nkv;                                                           \
+      size_t D, size_t L, size_t stride, size_t R, size_t interleaved, size_t hpw, float scale, size_t chunk_qkv,    \
+      size_t chunk_o, float eps, size_t workgroups, size_t wg) {                                                     \
+    size_t Nq = H * D, Nkv = Hkv * D, Nqkv = Nq + 2 * Nkv, items = M * (Hkv / hpw);                                  \
     matrix qkv_w[3] = {MAT_##T(a, Nq), MAT_##T(b, Nkv), MAT_##T(c, Nkv)}, o_w[1] = {MAT_##T(o, E)};                  \
     const float *h = BASE(x);                                                                                        \
     float *out = BASE(y), *qkv = out + M * E, *att = qkv + M * Nqkv;                                                 \
     int32_t *counters = BASE(phase_counters);                                                                        \
     const upcoming nothing = {{0}, {0}};                                                                             \
-    PHASE(counters, 0, ITEMS(Nqkv, rows_qkv),                                                                        \
-          concat_item_##lower(h, BASE(g), eps, qkv_w, 3, 0, qkv, M, Nqkv, E, rows_qkv, item), nothing)               \
-    PHASE(counters, 1, M * (Hkv / hpw),                                                                              \
-          attention_item(f16, qkv, qkv + M * Nq, qkv + M * (Nq + Nkv), BASE(cache), BASE(pages), BASE(starts),       \
-                         BASE(lens), BASE(layer), BASE(rcos), BASE(rsin), att, blocks, H, Hkv, D, L, stride, R,      \
-                         interleaved, hpw, scale, item),                                                             \
-          first_rows(T, o_w, rows_o, Nq))                                                                            \
-    PHASE(counters, 2, ITEMS(E, rows_o), concat_item_##lower(att, 0, 0, o_w, 1, h, out, M, E, Nq, rows_o, item),     \
-          nothing)                                                                                                   \
+    concat_phase_##lower(h, BASE(g), eps, qkv_w, 3, 0, qkv, M, Nqkv, E, chunk_qkv, counters, 0, workgroups, wg,      \
+                         nothing);                                                                                   \
+    int32_t *claimed = counters + SPAN_LINE(1, 0, workgroups) * COUNTER_STRIDE, done = 0;                            \
+    for (size_t item; (item = claim_item(claimed)) < items; ++done)                                                  \
+      attention_item(f16, qkv, qkv + M * Nq, qkv + M * (Nq + Nkv), BASE(cache), BASE(pages), BASE(starts),           \
+                     BASE(lens), BASE(layer), BASE(rcos), BASE(rsin), att, blocks, H, Hkv, D, L, stride, R,          \
+                     interleaved, hpw, scale, item);                                                                 \
+    int32_t *finished = counters + FINISHED_LINE(1, workgroups) * COUNTER_STRIDE;                                    \
+    finish_items(finished, (size_t)done);                                                                            \
+    await_items(finished, items, own_span(T, o_w, Nq, chunk_o, workgroups, wg));                                     \
+    concat_phase_##lower(att, 0, 0, o_w, 1, h, out, M, E, Nq, chunk_o, counters, 2, workgroups, wg, nothing);        \
     leave(counters, workgroups);                                                                                     \
   }
 

@@ -12,8 +12,8 @@ from iree.turbine.runtime.op_reg import CustomOp, KernelBuilder, KernelSelection
 
 from ..archive.tensors import QuantizedTensor
 from ..mlir_ops import call_mlir_function
-from . import (BLOCK_COUNTERS, MAX_ROWS_PER_WORKGROUP, PLANES, ROW_QUANTUM, SIZES, STORED, deinterleave_rows,
-               object_path, quantized_x, workgroups)
+from . import (BLOCK_CHUNK_ROWS, MAX_ROWS_PER_WORKGROUP, PLANES, ROW_QUANTUM, SIZES, STORED, block_counters,
+               deinterleave_rows, object_path, quantized_x, workgroups)
 
 
 _LIBRARY = def_library("sharkport_kernels")
@@ -565,20 +565,12 @@ class BlockShape:
         def index(v):
             return str(v), "index"
         last = [(f"0x{_float_bits(self.eps):08X}", "f32"), index(workgroups())]
+        chunks = [index(BLOCK_CHUNK_ROWS)] * 2  # outputs a chunk of each of the block's two products takes
         if self.form == "ffn":
-            return [index(self.rows), index(self.width), index(self.inner), index(_item_rows(self.inner)),
-                    index(_item_rows(self.width)), *last]
-        _, q, kv, _, _ = self.widths
+            return [index(self.rows), index(self.width), index(self.inner), *chunks, *last]
         return [index(self.rows), index(self.width),
                 *_constants(self.attention, "H", "Hkv", "D", "L", "stride", "R", "interleaved", "hpw", "scale"),
-                index(_item_rows(q + 2 * kv)), index(_item_rows(self.width)), *last]
-
-
-def _item_rows(n: int) -> int:
-    """Outputs an item of a block's product with n outputs takes: as a product's workgroup
-    (kernels.ROW_QUANTUM)."""
-    quantum = ROW_QUANTUM * workgroups()
-    return min(-(-n // quantum) * ROW_QUANTUM, MAX_ROWS_PER_WORKGROUP)
+                *chunks, *last]
 
 
 def _block_module(shape: BlockShape, arg_types: list[tuple[int, str]], sizes: list[int | None]) -> str:
@@ -586,7 +578,7 @@ def _block_module(shape: BlockShape, arg_types: list[tuple[int, str]], sizes: li
     element type; `sizes`: each one's element count where static, else None), dispatching the C
     function over workgroups() workgroups. Its results are a new flat float32 tensor (the block's
     output, then its intermediates) and the tied operands (the cache), updated in place. The
-    dispatch's phase counters (kernels.BLOCK_COUNTERS int32) are a global of the module's own,
+    dispatch's phase counters (kernels.block_counters() int32) are a global of the module's own,
     zero at first, which the dispatch updates in place and leaves zeroed (matvec.c's `leave`): no
     fill before each call. The C function takes each operand's memref, the counters' and the
     result's, then the attention's page columns, the shape's constants and the workgroup id; the
@@ -598,11 +590,11 @@ def _block_module(shape: BlockShape, arg_types: list[tuple[int, str]], sizes: li
     elements = [e for _, e in arg_types] + ["i32", "f32"]  # the counters, the result
     memrefs = ", ".join(_memref(e) for e in elements)
     total = shape.rows * sum(shape.widths)
-    counters = f"tensor<{BLOCK_COUNTERS}xi32>"
+    counters = f"tensor<{block_counters()}xi32>"
     dynamic = [i for i, s in enumerate(sizes) if s is None]
     paged = shape.form == "attention"
     entry_args = [f"%n{i}: index" for i in dynamic] + (["%blocks: index"] if paged else [])
-    static = [(i, s) for i, s in enumerate(sizes) if s is not None] + [(n, BLOCK_COUNTERS), (n + 1, total)]
+    static = [(i, s) for i, s in enumerate(sizes) if s is not None] + [(n, block_counters()), (n + 1, total)]
     size_ops = "\n".join(f"        %n{i} = arith.constant {s} : index" for i, s in static)
     subspans = "\n".join(f"        %s{i} = stream.binding.subspan %b{i}[%c0] : !stream.binding -> {_memref(e)}{{%n{i}}}"
                          for i, e in enumerate(elements))
