@@ -1411,7 +1411,7 @@ void sharkport_prefill_attention(MEMREF(const float, q), MEMREF(const float, k),
 
 // The counters, each on a cache line of its own (COUNTER_STRIDE int32 apart): of phase p, the
 // span s of its product at line p (W + 1) + s (the chunks taken from its front and from its back,
-// as one int64; the attention's items: an int32 counter), those it finished at line p (W + 1) + W;
+// 16 bits each; the attention's items: a counter), those it finished at line p (W + 1) + W;
 // of the workgroups that left, line 3 (W + 1); W workgroups (kernels.block_counters: the same).
 #define SPAN_LINE(p, s, W) ((p) * ((W) + 1) + (s))
 #define FINISHED_LINE(p, W) ((p) * ((W) + 1) + (W))
@@ -1430,15 +1430,16 @@ INLINE void finish_items(int32_t *finished, size_t n) {
   if (n) __atomic_fetch_add(finished, (int32_t)n, __ATOMIC_RELEASE);
 }
 
-// Takes one of a span's `chunks` chunks, from its front (the low 32 bits of *span count those
-// taken there) or its back (the high 32 bits): its index in the span in *chunk, or 0 when none
-// is left.
-INLINE int claim_chunk(int64_t *span, size_t chunks, int back, size_t *chunk) {
-  int64_t now = __atomic_load_n(span, __ATOMIC_RELAXED);
+// Takes one of a span's `chunks` chunks (fewer than 65536, some two million outputs: far more than
+// a layer's matrices have), from its front (the low 16 bits of *span count those taken there) or
+// its back (the high 16 bits): its index in the span in *chunk, or 0 when none is left. An int32,
+// as the counters are, so its alignment is theirs.
+INLINE int claim_chunk(int32_t *span, size_t chunks, int back, size_t *chunk) {
+  int32_t now = __atomic_load_n(span, __ATOMIC_RELAXED);
   for (;;) {
-    size_t front = (uint32_t)now, taken_back = (uint32_t)((uint64_t)now >> 32);
+    size_t front = (uint32_t)now & 0xFFFF, taken_back = (uint32_t)now >> 16;
     if (front + taken_back >= chunks) return 0;
-    int64_t next = now + (back ? (int64_t)1 << 32 : 1);
+    int32_t next = (int32_t)((uint32_t)now + (back ? 1u << 16 : 1u));
     if (__atomic_compare_exchange_n(span, &now, next, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
       *chunk = back ? chunks - 1 - taken_back : front;
       return 1;
@@ -1502,7 +1503,7 @@ INLINE void product_phase(int kind, int op, const float *x, const float *g, floa
   for (size_t k = 0; k < W; ++k) {  // its own span from the front, then the others' from their back
     size_t s = (wg + k) % W, lo = s * per, c;
     size_t chunks = lo < total ? (total - lo < per ? total - lo : per) : 0;
-    while (claim_chunk((int64_t *)(counters + SPAN_LINE(p, s, W) * COUNTER_STRIDE), chunks, k != 0, &c)) {
+    while (claim_chunk(counters + SPAN_LINE(p, s, W) * COUNTER_STRIDE, chunks, k != 0, &c)) {
       size_t n0 = (lo + c) * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
       if (whole)
         product_rows(kind, op, &ws, xm, w, count, r, y, M, N, K, 0, M, n0, n1);
