@@ -56,7 +56,7 @@ MAX_K = 32 * 512  # longest rows of w: a workgroup keeps x quantized (MAX_K byte
 MAX_NORMED = 8192
 # decode attention: query heads per kv head times head_dim, and positions per page, it takes
 MAX_GD, MAX_STRIDE = 2048, 256
-# outputs a chunk of a block's product takes (the block kernels' chunk_* arguments): a multiple
+# outputs a chunk of a block's product takes (the block kernels' `chunk` argument): a multiple
 # of the interleaved rows' 8
 BLOCK_CHUNK_ROWS = 32
 # prefill attention: the longest head, and query heads per kv head times head_dim, it takes

@@ -787,9 +787,10 @@ static void rms_norm_rows(const float *x, const float *g, float eps, size_t M, s
   }
 }
 
-// Rows [m0, m0 + mc) of x [M, K] (after x RMS-normalized by g into ws->xn where g is not null:
-// `normed`, the rows to use) prepared in ws for the products of weights of `kind`: quantized in
-// blocks of 32 (and paired, for Q4), unless F16. Returns where x's rows are, normalized or not.
+// Rows [m0, m0 + mc) of x [M, K] prepared in ws for the products of weights of `kind`: quantized
+// in blocks of 32 (and paired, for Q4), unless F16; where g is not null, all of x is first
+// RMS-normalized by it into ws->xn (with the first rows, m0 = 0). Returns x as the products read
+// it: ws->xn, or x itself.
 INLINE const float *prepare_x(int kind, const float *x, const float *g, float eps, size_t M, size_t K, size_t m0,
                               size_t mc, workspace *ws) {
   if (g) {
@@ -836,6 +837,24 @@ INLINE void product_rows(int kind, int op, workspace *ws, const float *x, const 
   }
 }
 
+// Rows of x the products take at a time from m0: F16 up to MAX_M, else as many as ws holds
+// quantized (chunk_rows).
+INLINE size_t x_rows(int kind, size_t M, size_t m0, size_t K) {
+  return kind == F16 ? (M - m0 < MAX_M ? M - m0 : MAX_M) : chunk_rows(M, m0, K);
+}
+
+// Outputs [n0, n1) of the product of all of x [M, K] (normalized by g where not null) with the
+// `count` matrices w (see product_rows), x prepared x_rows at a time.
+INLINE void product_all_rows(int kind, int op, workspace *ws, const float *x, const float *g, float eps,
+                             const matrix *w, size_t count, const float *r, float *y, size_t M, size_t N, size_t K,
+                             size_t n0, size_t n1) {
+  for (size_t m0 = 0, mc; m0 < M; m0 += mc) {
+    mc = x_rows(kind, M, m0, K);
+    const float *xm = prepare_x(kind, x, g, eps, M, K, m0, mc, ws);
+    product_rows(kind, op, ws, xm, w, count, r, y, M, N, K, m0, mc, n0, n1);
+  }
+}
+
 // Outputs [n0, n1) of workgroup wg (`rows` per workgroup) of the product of x [M, K] with the
 // `count` matrices w (see product_rows). With a norm weight g [K] (not null), x is first
 // RMS-normalized by it (each workgroup normalizes all of x, M * K <= XN_FLOATS values). So a
@@ -845,11 +864,7 @@ INLINE void matvec(int kind, int op, const float *x, const float *g, float eps, 
   ROW_RANGE
   if (K / 32 > MAX_BLOCKS || (g && M * K > XN_FLOATS)) return;  // never traced: kernels routes only these
   workspace ws;
-  for (size_t m0 = 0, mc; m0 < M; m0 += mc) {
-    mc = kind == F16 ? (M - m0 < MAX_M ? M - m0 : MAX_M) : chunk_rows(M, m0, K);
-    const float *xm = prepare_x(kind, x, g, eps, M, K, m0, mc, &ws);
-    product_rows(kind, op, &ws, xm, w, count, r, y, M, N, K, m0, mc, n0, n1);
-  }
+  product_all_rows(kind, op, &ws, x, g, eps, w, count, r, y, M, N, K, n0, n1);
 }
 
 // The C functions, each with its planes in kernels.PLANES order (forms in kernels.ops.FORMS):
@@ -1491,14 +1506,16 @@ INLINE void await_items(int32_t *finished, size_t items, upcoming next) {
 
 // Phase p of a block, a product (see product_rows) of x [M, K] (normalized by g where not null)
 // in chunks of `chunk` outputs, shared out in spans among W workgroups (this one wg); then waits
-// until all its chunks are finished, fetching `next` meanwhile.
+// until all its chunks are finished, fetching `next` meanwhile. Where the workspace cannot hold
+// all of x quantized, x is prepared again for each chunk, so a span is then one chunk.
 INLINE void product_phase(int kind, int op, const float *x, const float *g, float eps, const matrix *w, size_t count,
                           const float *r, float *y, size_t M, size_t N, size_t K, size_t chunk, int32_t *counters,
                           size_t p, size_t W, size_t wg, upcoming next) {
   if (K / 32 > MAX_BLOCKS || (g && M * K > XN_FLOATS)) return;  // never traced: kernels routes only these
   workspace ws;
-  size_t whole = kind == F16 ? M <= MAX_M : chunk_rows(M, 0, K) == M;  // x prepared once for the phase
+  int whole = x_rows(kind, M, 0, K) == M;  // x prepared once for the phase
   const float *xm = whole ? prepare_x(kind, x, g, eps, M, K, 0, M, &ws) : x;
+  if (!whole) chunk *= span_chunks(N, chunk, W);
   size_t per = span_chunks(N, chunk, W), total = chunks_of(N, chunk), done = 0;
   for (size_t k = 0; k < W; ++k) {  // its own span from the front, then the others' from their back
     size_t s = (wg + k) % W, lo = s * per, c;
@@ -1508,11 +1525,7 @@ INLINE void product_phase(int kind, int op, const float *x, const float *g, floa
       if (whole)
         product_rows(kind, op, &ws, xm, w, count, r, y, M, N, K, 0, M, n0, n1);
       else
-        for (size_t m0 = 0, mc; m0 < M; m0 += mc) {
-          mc = kind == F16 ? (M - m0 < MAX_M ? M - m0 : MAX_M) : chunk_rows(M, m0, K);
-          const float *xc = prepare_x(kind, x, g, eps, M, K, m0, mc, &ws);
-          product_rows(kind, op, &ws, xc, w, count, r, y, M, N, K, m0, mc, n0, n1);
-        }
+        product_all_rows(kind, op, &ws, x, g, eps, w, count, r, y, M, N, K, n0, n1);
       ++done;
     }
   }
@@ -1536,7 +1549,7 @@ NOINLINE void attention_item(const int f16, const float *q, const float *knew, c
 
 // The block kernels of weight type T (the attention block's planes: q's, k's, v's, then the
 // output projection's; the FFN block's: gate's, up's, down's), h [M, E], y [M, E] and then the
-// intermediates; `chunk_*`: outputs a chunk of each product takes. The attention block's cache
+// intermediates; `chunk`: outputs a chunk of each product takes. The attention block's cache
 // of element type C (uint16_t: float16) and its other operands are decode attention's; its
 // attention phase's items are claimed one at a time from one counter.
 #define DEFINE_BLOCK_KERNELS(T, lower)                                                                               \
@@ -1552,16 +1565,15 @@ NOINLINE void attention_item(const int f16, const float *q, const float *knew, c
   }                                                                                                                  \
   void sharkport_ffn_block_##lower(MEMREF(const float, x), MEMREF(const float, g), ARGS_##T(a), ARGS_##T(b),         \
                                    ARGS_##T(c), MEMREF(int32_t, phase_counters), MEMREF(float, y), size_t M, size_t E, \
-                                   size_t I, size_t chunk_up, size_t chunk_down, float eps, size_t workgroups,       \
-                                   size_t wg) {                                                                      \
+                                   size_t I, size_t chunk, float eps, size_t workgroups, size_t wg) {                \
     matrix gate_up[2] = {MAT_##T(a, I), MAT_##T(b, I)}, down[1] = {MAT_##T(c, E)};                                   \
     const float *h = BASE(x);                                                                                        \
     float *out = BASE(y), *act = out + M * E;                                                                        \
     int32_t *counters = BASE(phase_counters);                                                                        \
     const upcoming nothing = {{0}, {0}};                                                                             \
-    swiglu_phase_##lower(h, BASE(g), eps, gate_up, act, M, I, E, chunk_up, counters, 0, workgroups, wg,              \
-                         own_span(T, down, I, chunk_down, workgroups, wg));                                          \
-    concat_phase_##lower(act, 0, 0, down, 1, h, out, M, E, I, chunk_down, counters, 1, workgroups, wg, nothing);     \
+    swiglu_phase_##lower(h, BASE(g), eps, gate_up, act, M, I, E, chunk, counters, 0, workgroups, wg,                 \
+                         own_span(T, down, I, chunk, workgroups, wg));                                               \
+    concat_phase_##lower(act, 0, 0, down, 1, h, out, M, E, I, chunk, counters, 1, workgroups, wg, nothing);          \
     leave(counters, workgroups);                                                                                     \
   }                                                                                                                  \
   ATTENTION_BLOCK(T, lower, float, 0, )                                                                              \
@@ -1572,25 +1584,25 @@ NOINLINE void attention_item(const int f16, const float *q, const float *knew, c
       MEMREF(const int64_t, pages), MEMREF(const int64_t, starts), MEMREF(const int64_t, lens),                      \
       MEMREF(const int64_t, layer), MEMREF(const float, rcos), MEMREF(const float, rsin), ARGS_##T(o),               \
       MEMREF(int32_t, phase_counters), MEMREF(float, y), size_t blocks, size_t M, size_t E, size_t H, size_t Hkv,    \
-      size_t D, size_t L, size_t stride, size_t R, size_t interleaved, size_t hpw, float scale, size_t chunk_qkv,    \
-      size_t chunk_o, float eps, size_t workgroups, size_t wg) {                                                     \
+      size_t D, size_t L, size_t stride, size_t R, size_t interleaved, size_t hpw, float scale, size_t chunk,        \
+      float eps, size_t workgroups, size_t wg) {                                                                     \
     size_t Nq = H * D, Nkv = Hkv * D, Nqkv = Nq + 2 * Nkv, items = M * (Hkv / hpw);                                  \
     matrix qkv_w[3] = {MAT_##T(a, Nq), MAT_##T(b, Nkv), MAT_##T(c, Nkv)}, o_w[1] = {MAT_##T(o, E)};                  \
     const float *h = BASE(x);                                                                                        \
     float *out = BASE(y), *qkv = out + M * E, *att = qkv + M * Nqkv;                                                 \
     int32_t *counters = BASE(phase_counters);                                                                        \
     const upcoming nothing = {{0}, {0}};                                                                             \
-    concat_phase_##lower(h, BASE(g), eps, qkv_w, 3, 0, qkv, M, Nqkv, E, chunk_qkv, counters, 0, workgroups, wg,      \
-                         nothing);                                                                                   \
-    int32_t *claimed = counters + SPAN_LINE(1, 0, workgroups) * COUNTER_STRIDE, done = 0;                            \
+    concat_phase_##lower(h, BASE(g), eps, qkv_w, 3, 0, qkv, M, Nqkv, E, chunk, counters, 0, workgroups, wg, nothing); \
+    int32_t *claimed = counters + SPAN_LINE(1, 0, workgroups) * COUNTER_STRIDE;                                      \
+    size_t done = 0;                                                                                                 \
     for (size_t item; (item = claim_item(claimed)) < items; ++done)                                                  \
       attention_item(f16, qkv, qkv + M * Nq, qkv + M * (Nq + Nkv), BASE(cache), BASE(pages), BASE(starts),           \
                      BASE(lens), BASE(layer), BASE(rcos), BASE(rsin), att, blocks, H, Hkv, D, L, stride, R,          \
                      interleaved, hpw, scale, item);                                                                 \
     int32_t *finished = counters + FINISHED_LINE(1, workgroups) * COUNTER_STRIDE;                                    \
-    finish_items(finished, (size_t)done);                                                                            \
-    await_items(finished, items, own_span(T, o_w, Nq, chunk_o, workgroups, wg));                                     \
-    concat_phase_##lower(att, 0, 0, o_w, 1, h, out, M, E, Nq, chunk_o, counters, 2, workgroups, wg, nothing);        \
+    finish_items(finished, done);                                                                                    \
+    await_items(finished, items, own_span(T, o_w, Nq, chunk, workgroups, wg));                                       \
+    concat_phase_##lower(att, 0, 0, o_w, 1, h, out, M, E, Nq, chunk, counters, 2, workgroups, wg, nothing);          \
     leave(counters, workgroups);                                                                                     \
   }
 

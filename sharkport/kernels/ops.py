@@ -564,13 +564,13 @@ class BlockShape:
         columns), as (MLIR value, type)."""
         def index(v):
             return str(v), "index"
-        last = [(f"0x{_float_bits(self.eps):08X}", "f32"), index(workgroups())]
-        chunks = [index(BLOCK_CHUNK_ROWS)] * 2  # outputs a chunk of each of the block's two products takes
+        # outputs a chunk of a product takes, the norm's eps, the workgroups
+        last = [index(BLOCK_CHUNK_ROWS), (f"0x{_float_bits(self.eps):08X}", "f32"), index(workgroups())]
         if self.form == "ffn":
-            return [index(self.rows), index(self.width), index(self.inner), *chunks, *last]
+            return [index(self.rows), index(self.width), index(self.inner), *last]
         return [index(self.rows), index(self.width),
                 *_constants(self.attention, "H", "Hkv", "D", "L", "stride", "R", "interleaved", "hpw", "scale"),
-                *chunks, *last]
+                *last]
 
 
 def _block_module(shape: BlockShape, arg_types: list[tuple[int, str]], sizes: list[int | None]) -> str:
