@@ -10,9 +10,10 @@ or, for one matrix, plus a residual (`residual`), so that a llama layer's norms 
 take no dispatch of their own; decode attention over the paged cache with rotary and the
 new position's cache write (`decode_attention`), and prefill's causal attention of the prompt to
 its own K and V (`prefill_attention`; as IREE 3.9 compiles it, about 11% of SmolLM2's prefill).
-A llama decode layer takes two dispatches (`attention_block`: norm, q/k/v, attention, output
-product and residual; `ffn_block`: norm, SwiGLU, down product and residual), whose workgroups
-share out each phase's work and wait for each other inside the dispatch (matvec.c).
+A llama decode layer takes one dispatch (`layer_block`), or two where only one half applies
+(`attention_block`: norm, q/k/v, attention, output product and residual; `ffn_block`: norm,
+SwiGLU, down product and residual), whose workgroups share out each phase's work and wait for
+each other inside the dispatch (matvec.c).
 With quantized weights it multiplies 8-bit integers, as llama.cpp does on CPUs: x is quantized
 per block of 32 values as gguf's Q8_0 quantizer does, so the product is that of the dequantized
 weights with the Q8_0-dequantized x (`quantized_x`), about 1e-3 relative from the float32
@@ -292,7 +293,7 @@ def _rope_operands(rope, like):
     return tuple(t.reshape(B, -1) for t in rope) if rope is not None else (like.reshape(B, -1),) * 2
 
 
-# ---- a decode layer in two dispatches (matvec.c's block kernels) ----
+# ---- a decode layer in one or two dispatches (matvec.c's block kernels) ----
 
 def _block_rows(h, norm):
     """h [..., E] as the rows [M, E] a block kernel takes, with `norm` (weight [E], eps) inside
@@ -337,23 +338,56 @@ def attention_block(h, norm, wq, wk, wv, wo, cache_state, cache, layer, page_ids
     attention with its norm and residual add in one kernel dispatch (matvec.c's
     sharkport_attention_block_<type>, in three phases), or None, having written nothing, where it
     does not apply (see ffn_block and decode_attention)."""
+    return _attention_dispatch(h, norm, (wq, wk, wv, wo), None, cache_state, cache, layer, page_ids, start_positions,
+                               seq_lens, heads, head_dim, rope, rope_layout, scale, window, logit_cap)
+
+
+def layer_block(h, norm, wq, wk, wv, wo, ffn_norm, gate, up, down, cache_state, cache, layer, page_ids,
+                start_positions, seq_lens, heads: int, head_dim: int, rope=None, rope_layout: str = "interleaved",
+                scale: float | None = None, window: int = 0, logit_cap: float = 0.0):
+    """A whole llama decode layer in one kernel dispatch (matvec.c's sharkport_layer_block_<type>,
+    in five phases): attention_block's h1, then ffn_block's output on h1 with `ffn_norm` (weight,
+    eps: the same eps as `norm`'s), gate, up and down. Or None, having written nothing, where either
+    block does not apply. Against the two dispatches it saves a dispatch's start and end a layer,
+    and a workgroup waiting at the end of the output projection fetches its first gate/up rows."""
+    if float(ffn_norm[1]) != float(norm[1]):
+        return None
+    return _attention_dispatch(h, norm, (wq, wk, wv, wo), (ffn_norm[0], gate, up, down), cache_state, cache, layer,
+                               page_ids, start_positions, seq_lens, heads, head_dim, rope, rope_layout, scale, window,
+                               logit_cap)
+
+
+def _attention_dispatch(h, norm, weights, ffn, cache_state, cache, layer, page_ids, start_positions, seq_lens,
+                        heads, head_dim, rope, rope_layout, scale, window, logit_cap):
+    """attention_block's result, or with `ffn` (the FFN norm's weight, gate, up, down) layer_block's."""
     rows = _block_rows(h, norm)
     if rows is None:
         return None
     M, E = rows.shape
     shape = _attention_shape(M, 1, heads, head_dim, rows.dtype, cache_state, cache, rope, rope_layout, scale, window,
                              logit_cap)
-    found = shape is not None and _kernel_planes([wq, wk, wv, wo])
     kv = cache.kv_heads * head_dim
-    if not found or [tuple(w.shape) for w in (wq, wk, wv, wo)] != [(heads * head_dim, E), (kv, E), (kv, E),
-                                                                     (E, heads * head_dim)]:
+    matrices, shapes = list(weights), [(heads * head_dim, E), (kv, E), (kv, E), (E, heads * head_dim)]
+    if ffn is not None:
+        g2, gate, up, down = ffn
+        I = gate.shape[0]
+        if _block_rows(h, (g2, norm[1])) is None or not isinstance(I, int) or I > MAX_K:
+            return None
+        matrices, shapes = matrices + [gate, up, down], shapes + [(I, E), (I, E), (E, I)]
+    found = shape is not None and _kernel_planes(matrices)
+    if not found or [tuple(w.shape) for w in matrices] != shapes:
         return None
-    kind, (q, k, v, o) = found
+    kind, planes = found
     from .ops import BlockShape, block_op
 
-    block = BlockShape("attention", kind, M, E, 0, float(norm[1]), shape)
-    y = block_op(block)(rows, norm[0], *q, *k, *v, cache_state, page_ids, start_positions, seq_lens,
-                        _layer_operand(layer, cache), *_rope_operands(rope, rows), *o)
+    operands = [rows, norm[0], *planes[0], *planes[1], *planes[2], cache_state, page_ids, start_positions, seq_lens,
+                _layer_operand(layer, cache), *_rope_operands(rope, rows), *planes[3]]
+    if ffn is None:
+        block = BlockShape("attention", kind, M, E, 0, float(norm[1]), shape)
+    else:
+        block = BlockShape("layer", kind, M, E, I, float(norm[1]), shape)
+        operands += [g2, *planes[4], *planes[5], *planes[6]]
+    y = block_op(block)(*operands)
     return y[:M * E].view(h.shape)
 
 
@@ -370,11 +404,11 @@ def kv_heads_per_workgroup(batch: int, kv_heads: int, gd: int) -> int:
     return max([w for w in fits if batch * (kv_heads // w) >= _cpus()], default=1)
 
 
-def block_counters() -> int:
-    """int32 phase counters of a block dispatch (matvec.c's BLOCK_COUNTERS(W), each on a line of
-    16): for each of at most three phases a line for each workgroup's span and one of the items
+def block_counters(phases: int) -> int:
+    """int32 phase counters of a block dispatch of `phases` phases (matvec.c's BLOCK_COUNTERS(P,
+    W), each on a line of 16): for each phase a line for each workgroup's span and one of the items
     finished, and one line of the workgroups that left."""
-    return (3 * (workgroups() + 1) + 1) * 16
+    return (phases * (workgroups() + 1) + 1) * 16
 
 
 def workgroups() -> int:
@@ -535,7 +569,8 @@ def referenced_by(mlir_path: str | os.PathLike) -> bool:
     """Whether an MLIR file calls the kernels (so iree-compile needs their object)."""
     with _mapped(mlir_path) as m:
         return any(m.find(symbol) >= 0 for symbol in (b"sharkport_matvec_", b"sharkport_decode_", b"sharkport_prefill_",
-                                                      b"sharkport_attention_block_", b"sharkport_ffn_block_"))
+                                                      b"sharkport_attention_block_", b"sharkport_ffn_block_",
+                                                      b"sharkport_layer_block_"))
 
 
 def objects_named_by(mlir_path: str | os.PathLike) -> set[str]:

@@ -1390,12 +1390,13 @@ void sharkport_prefill_attention(MEMREF(const float, q), MEMREF(const float, k),
 }
 
 
-// ---- A decode layer in two dispatches: phases with a barrier between them ----
+// ---- A decode layer in one dispatch (or two): phases with a barrier between them ----
 //
 // sharkport_attention_block_<type> computes h + o(attention(q, k, v of n(h))): the q, k, v
 // product of h RMS-normalized, attention with the cache write, the output projection with the
-// residual add; sharkport_ffn_block_<type> h + down(silu(gate(n(h))) * up(n(h))). So a llama
-// layer's five dispatches become two. IREE has no barrier inside a dispatch and does not promise
+// residual add; sharkport_ffn_block_<type> h + down(silu(gate(n(h))) * up(n(h))); and
+// sharkport_layer_block_<type> the one, then the other, in five phases. So a llama layer's five
+// dispatches become one (two where only one block applies: Mixtral's experts, Qwen2's biases). IREE has no barrier inside a dispatch and does not promise
 // that a dispatch's workgroups run at once (a worker may run them one after the other), so each
 // workgroup runs every phase, and the work of a phase is shared out as items that any workgroup
 // claims with atomics; a workgroup that finds a phase's items all claimed waits until they are
@@ -1422,22 +1423,29 @@ void sharkport_prefill_attention(MEMREF(const float, q), MEMREF(const float, k),
 // starting a stream of its own, were slower. Decode side by side (tools/ab_decode.py, 6 to 10
 // loads): Q4_1 bs1 0.969, 0.982 and 0.985 of the time; Q8_0 0.973; F16 0.960; bs4 0.997, 1.017
 // and 0.960; logits bit-identical.
+//
+// The layer block against the two blocks (30 dispatches fewer a SmolLM2 step; a workgroup waiting
+// at the end of the output projection fetches its first gate/up rows): Q4_1 bs1 0.958, 0.991 and
+// 0.986 of the time (6, 10 and 16 loads), bs4 0.982; logits bit-identical.
 #define COUNTER_STRIDE 16
 
-// The counters, each on a cache line of its own (COUNTER_STRIDE int32 apart): of phase p, the
-// span s of its product at line p (W + 1) + s (the chunks taken from its front and from its back,
-// 16 bits each; the attention's items: a counter), those it finished at line p (W + 1) + W;
-// of the workgroups that left, line 3 (W + 1); W workgroups (kernels.block_counters: the same).
+// The counters of a dispatch of P phases, each on a cache line of its own (COUNTER_STRIDE int32
+// apart): of phase p, the span s of its product at line p (W + 1) + s (the chunks taken from its
+// front and from its back, 16 bits each; the attention's items: a counter), those it finished at
+// line p (W + 1) + W; of the workgroups that left, line P (W + 1); W workgroups
+// (kernels.block_counters: the same).
 #define SPAN_LINE(p, s, W) ((p) * ((W) + 1) + (s))
 #define FINISHED_LINE(p, W) ((p) * ((W) + 1) + (W))
-#define BLOCK_COUNTERS(W) ((3 * ((W) + 1) + 1) * COUNTER_STRIDE)
+#define BLOCK_COUNTERS(P, W) (((P) * ((W) + 1) + 1) * COUNTER_STRIDE)
+#define ATTENTION_PHASES 3  // q/k/v, attention, the output projection
+#define FFN_PHASES 2        // gate/up with SiLU, down
 
 // After its last phase each workgroup leaves, and the last of the `workgroups` to leave zeroes the
-// counters for the dispatch's next call.
-INLINE void leave(int32_t *counters, size_t workgroups) {
-  int32_t *left = counters + BLOCK_COUNTERS(workgroups) - COUNTER_STRIDE;
-  if ((size_t)__atomic_add_fetch(left, 1, __ATOMIC_ACQ_REL) == workgroups)
-    for (size_t i = 0; i < BLOCK_COUNTERS(workgroups); ++i) __atomic_store_n(counters + i, 0, __ATOMIC_RELAXED);
+// counters of the dispatch's `phases` for its next call.
+INLINE void leave(int32_t *counters, size_t phases, size_t workgroups) {
+  size_t n = BLOCK_COUNTERS(phases, workgroups);
+  if ((size_t)__atomic_add_fetch(counters + n - COUNTER_STRIDE, 1, __ATOMIC_ACQ_REL) == workgroups)
+    for (size_t i = 0; i < n; ++i) __atomic_store_n(counters + i, 0, __ATOMIC_RELAXED);
 }
 
 INLINE size_t claim_item(int32_t *claimed) { return (size_t)__atomic_fetch_add(claimed, 1, __ATOMIC_RELAXED); }
@@ -1548,10 +1556,11 @@ NOINLINE void attention_item(const int f16, const float *q, const float *knew, c
 }
 
 // The block kernels of weight type T (the attention block's planes: q's, k's, v's, then the
-// output projection's; the FFN block's: gate's, up's, down's), h [M, E], y [M, E] and then the
-// intermediates; `chunk`: outputs a chunk of each product takes. The attention block's cache
-// of element type C (uint16_t: float16) and its other operands are decode attention's; its
-// attention phase's items are claimed one at a time from one counter.
+// output projection's; the FFN block's: gate's, up's, down's; the layer block's: the attention
+// block's, the FFN norm's weight, then the FFN block's), h [M, E], y [M, E] and then the
+// intermediates; `chunk`: outputs a chunk of each product takes. The attention block's cache of
+// element type C (uint16_t: float16) and its other operands are decode attention's; its attention
+// phase's items are claimed one at a time from one counter.
 #define DEFINE_BLOCK_KERNELS(T, lower)                                                                               \
   NOINLINE void concat_phase_##lower(const float *x, const float *g, float eps, const matrix *w, size_t count,       \
                                      const float *r, float *y, size_t M, size_t N, size_t K, size_t chunk,           \
@@ -1563,47 +1572,86 @@ NOINLINE void attention_item(const int f16, const float *q, const float *knew, c
                                      size_t wg, upcoming next) {                                                     \
     product_phase(T, SWIGLU, x, g, eps, w, 2, 0, y, M, N, K, chunk, counters, p, W, wg, next);                       \
   }                                                                                                                  \
+  /* Phases p and p + 1: out = h + down(silu(gate(n(h))) * up(n(h))), n(h) h normalized by g; act   \
+     [M, I] holds silu(gate) * up. */                                                                                \
+  INLINE void ffn_phases_##lower(const float *h, const float *g, float eps, const matrix *gate_up,                  \
+                                 const matrix *down, float *act, float *out, size_t M, size_t E, size_t I,           \
+                                 size_t chunk, int32_t *counters, size_t p, size_t W, size_t wg) {                   \
+    const upcoming nothing = {{0}, {0}};                                                                             \
+    swiglu_phase_##lower(h, g, eps, gate_up, act, M, I, E, chunk, counters, p, W, wg, own_span(T, down, I, chunk, W, wg)); \
+    concat_phase_##lower(act, 0, 0, down, 1, h, out, M, E, I, chunk, counters, p + 1, W, wg, nothing);              \
+  }                                                                                                                  \
   void sharkport_ffn_block_##lower(MEMREF(const float, x), MEMREF(const float, g), ARGS_##T(a), ARGS_##T(b),         \
                                    ARGS_##T(c), MEMREF(int32_t, phase_counters), MEMREF(float, y), size_t M, size_t E, \
                                    size_t I, size_t chunk, float eps, size_t workgroups, size_t wg) {                \
     matrix gate_up[2] = {MAT_##T(a, I), MAT_##T(b, I)}, down[1] = {MAT_##T(c, E)};                                   \
-    const float *h = BASE(x);                                                                                        \
-    float *out = BASE(y), *act = out + M * E;                                                                        \
-    int32_t *counters = BASE(phase_counters);                                                                        \
-    const upcoming nothing = {{0}, {0}};                                                                             \
-    swiglu_phase_##lower(h, BASE(g), eps, gate_up, act, M, I, E, chunk, counters, 0, workgroups, wg,                 \
-                         own_span(T, down, I, chunk, workgroups, wg));                                               \
-    concat_phase_##lower(act, 0, 0, down, 1, h, out, M, E, I, chunk, counters, 1, workgroups, wg, nothing);          \
-    leave(counters, workgroups);                                                                                     \
+    float *out = BASE(y);                                                                                            \
+    ffn_phases_##lower(BASE(x), BASE(g), eps, gate_up, down, out + M * E, out, M, E, I, chunk, BASE(phase_counters), \
+                       0, workgroups, wg);                                                                           \
+    leave(BASE(phase_counters), FFN_PHASES, workgroups);                                                             \
   }                                                                                                                  \
   ATTENTION_BLOCK(T, lower, float, 0, )                                                                              \
   ATTENTION_BLOCK(T, lower, uint16_t, 1, _f16)
+// The attention block's operands (after x and g) and constants (before chunk), as its C functions
+// take them: the q, k, v planes (a, b, c), decode attention's, the output projection's planes (o).
+#define ATTENTION_OPERANDS(T, C)                                                                                     \
+  ARGS_##T(a), ARGS_##T(b), ARGS_##T(c), MEMREF(C, cache), MEMREF(const int64_t, pages),                             \
+      MEMREF(const int64_t, starts), MEMREF(const int64_t, lens), MEMREF(const int64_t, layer),                      \
+      MEMREF(const float, rcos), MEMREF(const float, rsin), ARGS_##T(o)
+#define ATTENTION_CONSTANTS                                                                                          \
+  size_t blocks, size_t M, size_t E, size_t H, size_t Hkv, size_t D, size_t L, size_t stride, size_t R,             \
+      size_t interleaved, size_t hpw, float scale
+#define ATTENTION_PHASES_CALL(lower, suffix, T, out, scratch, next)                                                  \
+  attention_phases_##lower##suffix(BASE(x), BASE(g), eps, (matrix[3]){MAT_##T(a, H * D), MAT_##T(b, Hkv * D),        \
+                                   MAT_##T(c, Hkv * D)}, (matrix[1]){MAT_##T(o, E)}, BASE(cache), BASE(pages),       \
+                                   BASE(starts), BASE(lens), BASE(layer), BASE(rcos), BASE(rsin), out, scratch,      \
+                                   blocks, M, E, H, Hkv, D, L, stride, R, interleaved, hpw, scale, chunk,            \
+                                   BASE(phase_counters), workgroups, wg, next)
 #define ATTENTION_BLOCK(T, lower, C, f16, suffix)                                                                    \
-  void sharkport_attention_block_##lower##suffix(                                                                    \
-      MEMREF(const float, x), MEMREF(const float, g), ARGS_##T(a), ARGS_##T(b), ARGS_##T(c), MEMREF(C, cache),       \
-      MEMREF(const int64_t, pages), MEMREF(const int64_t, starts), MEMREF(const int64_t, lens),                      \
-      MEMREF(const int64_t, layer), MEMREF(const float, rcos), MEMREF(const float, rsin), ARGS_##T(o),               \
-      MEMREF(int32_t, phase_counters), MEMREF(float, y), size_t blocks, size_t M, size_t E, size_t H, size_t Hkv,    \
+  /* Phases 0 to 2: out = h + o(attention(q, k, v of n(h))), q, k, v [M, Nq + 2 Nkv] and then the   \
+     attention's output [M, Nq] in scratch; at the end a workgroup waits fetching `next`. */                       \
+  INLINE void attention_phases_##lower##suffix(                                                                      \
+      const float *h, const float *g, float eps, const matrix *qkv_w, const matrix *o_w, C *cache,                   \
+      const int64_t *pages, const int64_t *starts, const int64_t *lens, const int64_t *layer, const float *rcos,     \
+      const float *rsin, float *out, float *scratch, size_t blocks, size_t M, size_t E, size_t H, size_t Hkv,        \
       size_t D, size_t L, size_t stride, size_t R, size_t interleaved, size_t hpw, float scale, size_t chunk,        \
-      float eps, size_t workgroups, size_t wg) {                                                                     \
+      int32_t *counters, size_t W, size_t wg, upcoming next) {                                                       \
     size_t Nq = H * D, Nkv = Hkv * D, Nqkv = Nq + 2 * Nkv, items = M * (Hkv / hpw);                                  \
-    matrix qkv_w[3] = {MAT_##T(a, Nq), MAT_##T(b, Nkv), MAT_##T(c, Nkv)}, o_w[1] = {MAT_##T(o, E)};                  \
-    const float *h = BASE(x);                                                                                        \
-    float *out = BASE(y), *qkv = out + M * E, *att = qkv + M * Nqkv;                                                 \
-    int32_t *counters = BASE(phase_counters);                                                                        \
+    float *qkv = scratch, *att = qkv + M * Nqkv;                                                                     \
     const upcoming nothing = {{0}, {0}};                                                                             \
-    concat_phase_##lower(h, BASE(g), eps, qkv_w, 3, 0, qkv, M, Nqkv, E, chunk, counters, 0, workgroups, wg, nothing); \
-    int32_t *claimed = counters + SPAN_LINE(1, 0, workgroups) * COUNTER_STRIDE;                                      \
+    concat_phase_##lower(h, g, eps, qkv_w, 3, 0, qkv, M, Nqkv, E, chunk, counters, 0, W, wg, nothing);               \
+    int32_t *claimed = counters + SPAN_LINE(1, 0, W) * COUNTER_STRIDE;                                               \
     size_t done = 0;                                                                                                 \
     for (size_t item; (item = claim_item(claimed)) < items; ++done)                                                  \
-      attention_item(f16, qkv, qkv + M * Nq, qkv + M * (Nq + Nkv), BASE(cache), BASE(pages), BASE(starts),           \
-                     BASE(lens), BASE(layer), BASE(rcos), BASE(rsin), att, blocks, H, Hkv, D, L, stride, R,          \
-                     interleaved, hpw, scale, item);                                                                 \
-    int32_t *finished = counters + FINISHED_LINE(1, workgroups) * COUNTER_STRIDE;                                    \
+      attention_item(f16, qkv, qkv + M * Nq, qkv + M * (Nq + Nkv), cache, pages, starts, lens, layer, rcos, rsin,    \
+                     att, blocks, H, Hkv, D, L, stride, R, interleaved, hpw, scale, item);                           \
+    int32_t *finished = counters + FINISHED_LINE(1, W) * COUNTER_STRIDE;                                             \
     finish_items(finished, done);                                                                                    \
-    await_items(finished, items, own_span(T, o_w, Nq, chunk, workgroups, wg));                                       \
-    concat_phase_##lower(att, 0, 0, o_w, 1, h, out, M, E, Nq, chunk, counters, 2, workgroups, wg, nothing);          \
-    leave(counters, workgroups);                                                                                     \
+    await_items(finished, items, own_span(T, o_w, Nq, chunk, W, wg));                                                \
+    concat_phase_##lower(att, 0, 0, o_w, 1, h, out, M, E, Nq, chunk, counters, 2, W, wg, next);                      \
+  }                                                                                                                  \
+  void sharkport_attention_block_##lower##suffix(                                                                    \
+      MEMREF(const float, x), MEMREF(const float, g), ATTENTION_OPERANDS(T, C), MEMREF(int32_t, phase_counters),     \
+      MEMREF(float, y), ATTENTION_CONSTANTS, size_t chunk, float eps, size_t workgroups, size_t wg) {                \
+    const upcoming nothing = {{0}, {0}};                                                                             \
+    ATTENTION_PHASES_CALL(lower, suffix, T, BASE(y), BASE(y) + M * E, nothing);                                      \
+    leave(BASE(phase_counters), ATTENTION_PHASES, workgroups);                                                       \
+  }                                                                                                                  \
+  /* A whole llama layer: the attention block's phases into h1, then the FFN block's on h1 (normed   \
+     by g2, gate, up, down: the planes e, f, u); y holds the output, then h1, the attention's         \
+     intermediates and the FFN's. While it waits at the end of the output projection a workgroup    \
+     fetches the gate/up rows it takes first. */                                                                     \
+  void sharkport_layer_block_##lower##suffix(                                                                        \
+      MEMREF(const float, x), MEMREF(const float, g), ATTENTION_OPERANDS(T, C), MEMREF(const float, g2),             \
+      ARGS_##T(e), ARGS_##T(f), ARGS_##T(u), MEMREF(int32_t, phase_counters), MEMREF(float, y),                      \
+      ATTENTION_CONSTANTS, size_t I, size_t chunk, float eps, size_t workgroups, size_t wg) {                        \
+    matrix gate_up[2] = {MAT_##T(e, I), MAT_##T(f, I)}, down[1] = {MAT_##T(u, E)};                                   \
+    float *out = BASE(y), *h1 = out + M * E, *scratch = h1 + M * E;                                                  \
+    float *act = scratch + M * (2 * H * D + 2 * Hkv * D);                                                            \
+    ATTENTION_PHASES_CALL(lower, suffix, T, h1, scratch, own_span(T, gate_up, E, chunk, workgroups, wg));            \
+    ffn_phases_##lower(h1, BASE(g2), eps, gate_up, down, act, out, M, E, I, chunk, BASE(phase_counters),             \
+                       ATTENTION_PHASES, workgroups, wg);                                                            \
+    leave(BASE(phase_counters), ATTENTION_PHASES + FFN_PHASES, workgroups);                                          \
   }
 
 DEFINE_BLOCK_KERNELS(Q8_0, q8_0)

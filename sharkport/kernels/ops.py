@@ -508,25 +508,27 @@ def prefill_attention_op(shape: PrefillShape):
     return CustomOp.register(library=_LIBRARY)(Op)
 
 
-# ---- a decode layer in two dispatches (matvec.c's sharkport_attention_block_<type> and
-#      sharkport_ffn_block_<type>) ----
+# ---- a decode layer in one dispatch (matvec.c's sharkport_layer_block_<type>), or two
+#      (sharkport_attention_block_<type> and sharkport_ffn_block_<type>) ----
 
 @dataclass(frozen=True)
 class BlockShape:
     """What a block op is specialised for (baked into its MLIR as constants): the attention block
-    (norm, q/k/v product, decode attention, output product, residual add) or the FFN block (norm,
-    SwiGLU's products, the down product, residual add) of M rows of h [M, E]."""
-    form: str  # "attention" or "ffn"
+    (norm, q/k/v product, decode attention, output product, residual add), the FFN block (norm,
+    SwiGLU's products, the down product, residual add) or the layer block (the one, then the other)
+    of M rows of h [M, E]."""
+    form: str  # "attention", "ffn" or "layer"
     kind: str  # the matrices' kernel type (a key of PLANES)
     rows: int  # M
     width: int  # E
     inner: int  # the FFN's gate rows I (0 for attention)
-    eps: float  # of the norm
+    eps: float  # of the norm (the layer's two norms)
     attention: AttentionShape | None = None
 
     @property
     def name(self) -> str:
-        sizes = f"_i{self.inner}" if self.form == "ffn" else self.attention.name.removeprefix("sharkport_decode_attention")
+        sizes = "" if self.form == "ffn" else self.attention.name.removeprefix("sharkport_decode_attention")
+        sizes += f"_i{self.inner}" if self.inner else ""
         return (f"sharkport_{self.form}_block_{self.kind.lower()}_m{self.rows}_e{self.width}"
                 f"_n{_float_bits(self.eps):08x}{sizes}_wg{workgroups()}")
 
@@ -535,14 +537,21 @@ class BlockShape:
         return f"sharkport_{self.form}_block_{self.kind.lower()}{self.attention.c_suffix if self.attention else ''}"
 
     @property
+    def phases(self) -> int:
+        """The dispatch's phases (matvec.c's ATTENTION_PHASES, FFN_PHASES): its counters' size."""
+        return {"attention": 3, "ffn": 2, "layer": 5}[self.form]
+
+    @property
     def operands(self) -> list[str]:
         """The op's tensor operands in order (planes as <matrix>_<plane>)."""
         def planes(matrix):
             return [f"{matrix}_{p}" for p in PLANES[self.kind]]
+        ffn = [*planes("gate"), *planes("up"), *planes("down")]
         if self.form == "ffn":
-            return ["x", "g", *planes("gate"), *planes("up"), *planes("down")]
-        return ["x", "g", *planes("q"), *planes("k"), *planes("v"), "cache", "pages", "starts", "lens", "layer",
-                "cos", "sin", *planes("o")]
+            return ["x", "g", *ffn]
+        attention = ["x", "g", *planes("q"), *planes("k"), *planes("v"), "cache", "pages", "starts", "lens", "layer",
+                     "cos", "sin", *planes("o")]
+        return attention + (["g2", *ffn] if self.form == "layer" else [])
 
     @property
     def tied(self) -> list[str]:
@@ -552,11 +561,14 @@ class BlockShape:
     @property
     def widths(self) -> tuple[int, ...]:
         """The dispatch's result, per row of h: the output, then the intermediates (FFN: silu(g) *
-        u; attention: q, k, v, then the attention's output)."""
+        u; attention: q, k, v, then the attention's output; layer: the attention block's output,
+        the attention's intermediates, the FFN's)."""
         if self.form == "ffn":
             return self.width, self.inner
         a = self.attention
         q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
+        if self.form == "layer":
+            return self.width, self.width, q, kv, kv, q, self.inner
         return self.width, q, kv, kv, q
 
     def constants(self) -> list[tuple[str, str]]:
@@ -570,7 +582,7 @@ class BlockShape:
             return [index(self.rows), index(self.width), index(self.inner), *last]
         return [index(self.rows), index(self.width),
                 *_constants(self.attention, "H", "Hkv", "D", "L", "stride", "R", "interleaved", "hpw", "scale"),
-                *last]
+                *([index(self.inner)] if self.form == "layer" else []), *last]
 
 
 def _block_module(shape: BlockShape, arg_types: list[tuple[int, str]], sizes: list[int | None]) -> str:
@@ -578,7 +590,7 @@ def _block_module(shape: BlockShape, arg_types: list[tuple[int, str]], sizes: li
     element type; `sizes`: each one's element count where static, else None), dispatching the C
     function over workgroups() workgroups. Its results are a new flat float32 tensor (the block's
     output, then its intermediates) and the tied operands (the cache), updated in place. The
-    dispatch's phase counters (kernels.block_counters() int32) are a global of the module's own,
+    dispatch's phase counters (kernels.block_counters(shape.phases) int32) are a global of the module's own,
     zero at first, which the dispatch updates in place and leaves zeroed (matvec.c's `leave`): no
     fill before each call. The C function takes each operand's memref, the counters' and the
     result's, then the attention's page columns, the shape's constants and the workgroup id; the
@@ -590,11 +602,11 @@ def _block_module(shape: BlockShape, arg_types: list[tuple[int, str]], sizes: li
     elements = [e for _, e in arg_types] + ["i32", "f32"]  # the counters, the result
     memrefs = ", ".join(_memref(e) for e in elements)
     total = shape.rows * sum(shape.widths)
-    counters = f"tensor<{block_counters()}xi32>"
+    counters = f"tensor<{block_counters(shape.phases)}xi32>"
     dynamic = [i for i, s in enumerate(sizes) if s is None]
-    paged = shape.form == "attention"
+    paged = shape.form != "ffn"
     entry_args = [f"%n{i}: index" for i in dynamic] + (["%blocks: index"] if paged else [])
-    static = [(i, s) for i, s in enumerate(sizes) if s is not None] + [(n, block_counters()), (n + 1, total)]
+    static = [(i, s) for i, s in enumerate(sizes) if s is not None] + [(n, block_counters(shape.phases)), (n + 1, total)]
     size_ops = "\n".join(f"        %n{i} = arith.constant {s} : index" for i, s in static)
     subspans = "\n".join(f"        %s{i} = stream.binding.subspan %b{i}[%c0] : !stream.binding -> {_memref(e)}{{%n{i}}}"
                          for i, e in enumerate(elements))
@@ -671,18 +683,27 @@ def _block_eager(shape: BlockShape, *args) -> torch.Tensor:
     x, g, *rest = args
     per = len(PLANES[shape.kind])
     if shape.form == "ffn":
-        gate_up, down = rest[:2 * per], rest[2 * per:3 * per]
-        act = _eager(shape.kind, FORMS["swiglu_norm"], x, g, *gate_up, shape.eps)
-        y = _eager(shape.kind, FORMS["matvec_add"], act, *down, x)
-        return torch.cat([y.flatten(), act.flatten()])
+        return _ffn_eager(shape, x, g, *rest)
     qkv_planes, (cache, pages, starts, lens, layer, cos, sin), o = rest[:3 * per], rest[3 * per:3 * per + 7], \
         rest[3 * per + 7:4 * per + 7]
     qkv = _eager(shape.kind, FORMS["qkv_norm"], x, g, *qkv_planes, shape.eps).flatten()
-    M, (_, nq, nkv, _, _) = shape.rows, shape.widths
+    M, a = shape.rows, shape.attention
+    nq, nkv = a.heads * a.head_dim, a.kv_heads * a.head_dim
     q, k, v = (part.view(M, -1) for part in qkv.split([M * nq, M * nkv, M * nkv]))
     att = _attention_eager(shape.attention, q, k, v, cache, pages, starts, lens, layer, cos, sin)
     y = _eager(shape.kind, FORMS["matvec_add"], att, *o, x)
+    if shape.form == "layer":
+        ffn = _ffn_eager(shape, y, *rest[4 * per + 7:])
+        return torch.cat([ffn[:y.numel()], y.flatten(), qkv, att.flatten(), ffn[y.numel():]])
     return torch.cat([y.flatten(), qkv, att.flatten()])
+
+
+def _ffn_eager(shape: BlockShape, x, g, *planes) -> torch.Tensor:
+    """The FFN block in torch: its output, then silu(gate) * up, flattened."""
+    per = len(PLANES[shape.kind])
+    act = _eager(shape.kind, FORMS["swiglu_norm"], x, g, *planes[:2 * per], shape.eps)
+    y = _eager(shape.kind, FORMS["matvec_add"], act, *planes[2 * per:3 * per], x)
+    return torch.cat([y.flatten(), act.flatten()])
 
 
 @functools.cache

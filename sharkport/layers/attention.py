@@ -107,14 +107,26 @@ class PagedAttention(torch.nn.Module):
         mask = length_mask(seq_lens, k_all.shape[1], q.dtype, self.config.window)
         return self._attend(q, k_all, v_all, mask, residual)
 
-    def _decode_block(self, x, rope, cache_state, seq_block_ids, start_positions, seq_lens, residual):
-        """decode's result by kernels.attention_block (one dispatch), or None where it does not
-        apply: x not normed or the residual not x's input, biases, Q/K norms, a fused QKV."""
+    def decode_layer(self, x: Normed, rope, cache_state: torch.Tensor, seq_block_ids: torch.Tensor,
+                     start_positions: torch.Tensor, seq_lens: torch.Tensor, residual: torch.Tensor,
+                     ffn_norm: tuple[torch.Tensor, float], gate, up, down) -> torch.Tensor | None:
+        """decode (residual x's input), then a SwiGLU FFN block on its output (normed by `ffn_norm`,
+        weight and eps, with its residual add), in one dispatch (kernels.layer_block, export
+        --matvec-kernels); None where that does not apply, having computed nothing."""
+        return self._decode_block(x, rope, cache_state, seq_block_ids, start_positions, seq_lens, residual,
+                                  (ffn_norm, gate, up, down))
+
+    def _decode_block(self, x, rope, cache_state, seq_block_ids, start_positions, seq_lens, residual, ffn=None):
+        """decode's result by kernels.attention_block (one dispatch; with `ffn`, kernels.layer_block),
+        or None where it does not apply: x not normed or the residual not x's input, biases, Q/K
+        norms, a fused QKV."""
         t, c = self.theta, self.config
         names = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")
         if not (isinstance(x, Normed) and residual is x.x and c.qk_norm_eps is None and all(n in t for n in names)
                 and not any(f"attn_{p}.bias" in t for p in ("q", "k", "v", "output"))):
             return None
-        return kernels.attention_block(x.x, (x.w, x.eps), *(t[n] for n in names), cache_state, self.cache, self.layer,
-                                       seq_block_ids, start_positions, seq_lens, c.heads, c.head_dim, rope,
-                                       c.rope_layout, c.scale, c.window, c.logit_cap)
+        operands = (cache_state, self.cache, self.layer, seq_block_ids, start_positions, seq_lens, c.heads, c.head_dim,
+                    rope, c.rope_layout, c.scale, c.window, c.logit_cap)
+        if ffn is not None:
+            return kernels.layer_block(x.x, (x.w, x.eps), *(t[n] for n in names), *ffn, *operands)
+        return kernels.attention_block(x.x, (x.w, x.eps), *(t[n] for n in names), *operands)

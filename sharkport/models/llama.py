@@ -51,7 +51,8 @@ class Llama(CausalLM):
         `attend(attention, x, residual)` runs the attention on x and adds the residual. The norms
         go into the products after them and the residual adds into the products before them
         (ops.normed, linear's residual): decode's matvec kernels take both, and the attention and
-        FFN blocks (kernels.attention_block, kernels.ffn_block) make a layer two dispatches."""
+        FFN blocks (kernels.attention_block, kernels.ffn_block) make a layer two dispatches, or
+        one (kernels.layer_block: see _decode_block)."""
         hp = self.hp
         attention = PagedAttention(t, self.attention_config, self.cache, layer)
         ffn = MixtureOfExperts(t, hp.expert_count, hp.expert_used_count) if hp.expert_count else SwiGLU(t)
@@ -63,6 +64,14 @@ class Llama(CausalLM):
             x, (cos, sin), cache_state, seq_block_ids, residual))
 
     def _decode_block(self, t, layer, h, cos, sin, seq_block_ids, start_positions, seq_lens, cache_state):
+        hp = self.hp
+        if not hp.expert_count:  # the whole layer in one dispatch, where the kernels apply
+            attention = PagedAttention(t, self.attention_config, self.cache, layer)
+            y = attention.decode_layer(normed(h, t["attn_norm.weight"], hp.rms_eps), (cos, sin), cache_state,
+                                       seq_block_ids, start_positions, seq_lens, h, (t["ffn_norm.weight"], hp.rms_eps),
+                                       t["ffn_gate.weight"], t["ffn_up.weight"], t["ffn_down.weight"])
+            if y is not None:
+                return y
         return self._block(t, layer, h, lambda attn, x, residual: attn.decode(
             x, (cos, sin), cache_state, seq_block_ids, start_positions, seq_lens, residual))
 
