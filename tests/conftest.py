@@ -9,7 +9,7 @@ import pytest
 
 from real_models import compiled_module, hf_from_gguf
 from sharkport.packaged import packaged_gguf
-from tiny_models import TINY_EXPORT, TinyModels
+from tiny_models import TINY_EXPORT, TinyModels, exact_cache
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def compiled_of(irpa_of):
         if name not in made:
             irpa = irpa_of(name)
             out_dir = irpa.parent / "compiled"
-            output, service = export_model(Dataset.load(irpa), TINY_EXPORT)
+            output, service = export_model(Dataset.load(irpa), TINY_EXPORT, exact_cache())
             mlir, json_path, vmfb = out_dir / "model.mlir", out_dir / "model.json", out_dir / "model.vmfb"
             save_export(output, service, mlir, json_path)
             compile_mlir(mlir, vmfb)

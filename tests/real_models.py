@@ -24,9 +24,10 @@ def compiled_module(irpa: Path, name: str, config) -> tuple[Path, Path, Path]:
     from sharkport.archive import Dataset
     from sharkport.compile import compile_mlir
     from sharkport.export import export_model, save_export
+    from tiny_models import exact_cache
 
     mlir, json_path, vmfb = (irpa.parent / f"{name}.{e}" for e in ("mlir", "json", "vmfb"))
-    output, service = export_model(Dataset.load(irpa), config)
+    output, service = export_model(Dataset.load(irpa), config, exact_cache(config.block_seq_stride))
     save_export(output, service, mlir, json_path)
     compile_mlir(mlir, vmfb)
     return vmfb, irpa, json_path

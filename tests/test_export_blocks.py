@@ -18,7 +18,7 @@ import pytest
 from sharkport.archive import Dataset
 from sharkport.export.abi import DECODE_ARGS
 from sharkport.runtime.session import IreeSession
-from tiny_models import TINY_EXPORT, decode_ms
+from tiny_models import TINY_EXPORT, decode_ms, exact_cache
 
 VARIANT = "gqa-untied"
 PAGES = TINY_EXPORT.device_block_count
@@ -36,7 +36,8 @@ def unrolled(irpa_of, tmp_path_factory):
 
     irpa = irpa_of(VARIANT)
     out = tmp_path_factory.mktemp("unrolled")
-    output, service = export_model(Dataset.load(irpa), replace(TINY_EXPORT, unroll_blocks=True))
+    output, service = export_model(Dataset.load(irpa), replace(TINY_EXPORT, unroll_blocks=True),
+                                   exact_cache())  # as compiled_of's
     save_export(output, service, out / "model.mlir", out / "model.json")
     compile_mlir(out / "model.mlir", out / "model.vmfb")
     return out / "model.vmfb", irpa, out / "model.json"

@@ -13,12 +13,11 @@ import numpy as np
 import pytest
 
 from sharkport.archive import Dataset
-from sharkport.models import ModelConfig
 from sharkport.runtime.generate import generate
 from sharkport.runtime.session import IreeSession
 from test_generation import prompts_for
 from test_verify import run_verify
-from tiny_models import TINY_EXPORT
+from tiny_models import TINY_EXPORT, exact_cache
 
 VARIANT = "gqa-untied"
 PAGES = TINY_EXPORT.device_block_count
@@ -34,7 +33,7 @@ def final_module(irpa_of, tmp_path_factory):
 
     irpa = irpa_of(VARIANT)
     out = tmp_path_factory.mktemp("final_logits")
-    model_config = ModelConfig(block_seq_stride=TINY_EXPORT.block_seq_stride, prefill_final_logits=True)
+    model_config = exact_cache(prefill_final_logits=True)
     output, service = export_model(Dataset.load(irpa), TINY_EXPORT, model_config)
     save_export(output, service, out / "model.mlir", out / "model.json")
     compile_mlir(out / "model.mlir", out / "model.vmfb")

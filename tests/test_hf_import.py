@@ -143,11 +143,11 @@ def compiled_hf(hf_irpa):
     """gqa-untied imported from the sharded checkpoint, exported with TINY_EXPORT, compiled."""
     from sharkport.compile import compile_mlir
     from sharkport.export import export_model, save_export
-    from tiny_models import TINY_EXPORT
+    from tiny_models import TINY_EXPORT, exact_cache
 
     irpa = hf_irpa("gqa-untied", "sharded")
     out = irpa.parent / "compiled"
-    output, service = export_model(Dataset.load(irpa), TINY_EXPORT)
+    output, service = export_model(Dataset.load(irpa), TINY_EXPORT, exact_cache())
     save_export(output, service, out / "model.mlir", out / "model.json")
     compile_mlir(out / "model.mlir", out / "model.vmfb")
     return out / "model.vmfb", irpa, out / "model.json"

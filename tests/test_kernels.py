@@ -24,7 +24,7 @@ from sharkport import kernels, ops
 from sharkport.archive.tensors import QuantizedTensor, weight_from_raw
 from sharkport.quant.quantize import quantize_array
 from run_cli import run
-from tiny_models import TINY_EXPORT, decode_ms
+from tiny_models import TINY_EXPORT, decode_ms, exact_cache
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -632,7 +632,8 @@ def _export_without(names, irpa, tmp_path, stem: str, monkeypatch):
     with monkeypatch.context() as m:
         for name in names:
             m.setattr(kernels, name, lambda *args, **kwargs: None)
-        output, service = export_model(Dataset.load(irpa), dataclasses.replace(TINY_EXPORT, matvec_kernels=True))
+        output, service = export_model(Dataset.load(irpa), dataclasses.replace(TINY_EXPORT, matvec_kernels=True),
+                                       exact_cache())  # as kernel_module("q4_1")
     save_export(output, service, tmp_path / f"{stem}.mlir", tmp_path / f"{stem}.json")
     compile_mlir(tmp_path / f"{stem}.mlir", tmp_path / f"{stem}.vmfb")
     return tmp_path / f"{stem}.vmfb", irpa, tmp_path / f"{stem}.json"
@@ -676,12 +677,12 @@ def test_layer_block_run_eagerly_decodes_as_compiled(kernel_module):
     the kernels compute them, attention writing the cache in place) gives the compiled module's
     decode logits, step after step at batch 4 over two pages, after the same prefill."""
     from sharkport.archive import Dataset
-    from sharkport.models import ModelConfig, build_model
+    from sharkport.models import build_model
     from sharkport.runtime.session import IreeSession
 
     vmfb, irpa, config_json, _ = kernel_module("q4_1")
     session = IreeSession(vmfb, irpa, config_json, pages=TINY_EXPORT.device_block_count)
-    model = build_model(Dataset.load(irpa), ModelConfig(block_seq_stride=TINY_EXPORT.block_seq_stride))
+    model = build_model(Dataset.load(irpa), exact_cache())  # as kernel_module("q4_1")
     cache = model.new_cache(TINY_EXPORT.device_block_count)
     ids = [3, 99, 14, 200, 7, 7, 51, 128, 60, 2, 31, 90, 17, 5, 250, 33, 8, 64, 101, 12]
     pages = np.arange(4, dtype=np.int64)[:, None] * 2 + np.arange(2)
@@ -711,7 +712,7 @@ def test_q4_rows_are_interleaved_once_as_the_module_loads(kernel_module, quantiz
     assert "sharkport_layer_block_q4_1x8(" in interleaved.read_text()
     monkeypatch.setattr(kernels, "INTERLEAVED", {})
     output, service = export_model(Dataset.load(quantized_tiny("q4_1")[1]),
-                                   dataclasses.replace(TINY_EXPORT, matvec_kernels=True))
+                                   dataclasses.replace(TINY_EXPORT, matvec_kernels=True), exact_cache())
     save_export(output, service, tmp_path / "stored.mlir", tmp_path / "stored.json")
     assert "sharkport_layer_block_q4_1(" in (tmp_path / "stored.mlir").read_text()
     counts = [_decode_bs1_commands(m).count("@hal.command_buffer.dispatch")

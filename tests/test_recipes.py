@@ -33,7 +33,7 @@ from sharkport.formats.keys import HPARAMS
 from sharkport.models import RECIPES, build_model
 from sharkport.runtime.session import IreeSession
 from test_llama_tiny import BATCHES, PAGES, check_prefill_decode, eager_session, hf_logits, params, prompts_for
-from tiny_models import RECIPE_KINDS, TINY_EXPORT, WINDOW, TinyRecipes
+from tiny_models import RECIPE_KINDS, TINY_EXPORT, WINDOW, TinyRecipes, exact_cache
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -81,7 +81,7 @@ def recipe_compiled(recipe_irpa):
             irpa = recipe_irpa(kind, "gguf")
             out = irpa.parent / ("compiled-kernels" if matvec_kernels else "compiled")
             config = dataclasses.replace(TINY_EXPORT, matvec_kernels=matvec_kernels)
-            output, service = export_model(Dataset.load(irpa), config)
+            output, service = export_model(Dataset.load(irpa), config, exact_cache())
             save_export(output, service, out / "model.mlir", out / "model.json")
             if matvec_kernels:
                 assert "sharkport_prefill_attention(" in (out / "model.mlir").read_text()

@@ -30,12 +30,12 @@ from sharkport.errors import SharkportError
 from sharkport.export.__main__ import main as export_main
 from sharkport.export import service_config
 from sharkport.export.abi import ExportConfig
-from sharkport.models import ModelConfig, build_model
+from sharkport.models import build_model
 from sharkport.parallel import ShardedLlama, rank_path, save_sharded, shard_in_memory
 from sharkport.parallel.sharding import RULES, rule
 from sharkport.quant.quantize import plan_types, requantized
 from sharkport.runtime.session import EagerSession, IreeSession
-from tiny_models import TINY_EXPORT, TinyRecipes
+from tiny_models import TINY_EXPORT, TinyRecipes, exact_cache
 
 STRIDE = 16
 ATOL = 1e-4
@@ -88,7 +88,7 @@ def assert_matches_hf(hf, seqs, outputs, lengths) -> None:
 
 def eager_pair(dataset: Dataset, size: int):
     """(unsharded, sharded) eager sessions over the same weights."""
-    config = ModelConfig(block_seq_stride=STRIDE)
+    config = exact_cache(STRIDE)
     plain = build_model(dataset, config)
     service = service_config(plain, ExportConfig(bs_prefill=(2,), bs_decode=(2,), block_seq_stride=STRIDE,
                                                  device_block_count=PAGES, max_seq_len=64))
@@ -270,9 +270,10 @@ TP_EXPORT = ["--bs-prefill", "1", "--bs-decode", "1", "--block-seq-stride", str(
 
 @pytest.fixture(scope="module")
 def compiled_tp2(irpa_of, tmp_path_factory):
-    """VARIANT exported by the CLI with --tensor-parallelism-size 2 and compiled for 2 devices."""
+    """VARIANT exported by the CLI with --tensor-parallelism-size 2 and compiled for 2 devices, with
+    compiled_of's float32 cache (tests/tiny_models.py: exact_cache)."""
     out = tmp_path_factory.mktemp("tp2")
-    export_cli("--irpa-file", str(irpa_of(VARIANT)), "--tensor-parallelism-size", "2",
+    export_cli("--irpa-file", str(irpa_of(VARIANT)), "--tensor-parallelism-size", "2", "--kv-cache-dtype", "float32",
                "--output-irpa", str(out / "tp.irpa"), "--output-mlir", str(out / "tp.mlir"),
                "--output-config", str(out / "tp.json"), "--output-vmfb", str(out / "tp.vmfb"), *TP_EXPORT)
     return out / "tp.vmfb", out / "tp.irpa", out / "tp.json"
@@ -348,7 +349,7 @@ def test_deep_model_runs_on_local_sync_devices(tmp_path):
     sharded = save_sharded(Dataset.load(tmp_path / "deep.irpa"), 2, tmp_path / "tp.irpa", progress=False)
     output, service = export_sharded(sharded, ExportConfig(bs_prefill=(1,), bs_decode=(1,), block_seq_stride=STRIDE,
                                                            device_block_count=PAGES, max_seq_len=64),
-                                     ModelConfig(block_seq_stride=STRIDE))
+                                     exact_cache(STRIDE))
     save_export(output, service, tmp_path / "tp.mlir", tmp_path / "tp.json")
     compile_mlir(tmp_path / "tp.mlir", tmp_path / "tp.vmfb", devices=2)
     session = IreeSession(tmp_path / "tp.vmfb", tmp_path / "tp.irpa", tmp_path / "tp.json", pages=PAGES)

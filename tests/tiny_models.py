@@ -23,11 +23,20 @@ import torch
 
 from sharkport.export.abi import ExportConfig
 from sharkport.formats.names import hf_to_gguf_name, permute_qk
+from sharkport.models import ModelConfig
 
 # How tiny models are exported and compiled (fixture `compiled_of`): batch sizes 1 and 4,
 # 16-token pages, 64 pages, up to 256 positions.
 TINY_EXPORT = ExportConfig(bs_prefill=(1, 4), bs_decode=(1, 4), block_seq_stride=16,
                            device_block_count=64, max_seq_len=256)
+
+
+def exact_cache(block_seq_stride: int = TINY_EXPORT.block_seq_stride, **fields) -> ModelConfig:
+    """A ModelConfig whose KV cache is float32: for the tests that check a recipe's logits against
+    transformers' (or two forms of one model against each other) to 1e-4, which rounding K and V
+    to the default float16 cache would move by up to a few 1e-3 of the largest (its own tests,
+    test_kernels.py and test_llama_tiny.py, check it within that)."""
+    return ModelConfig(block_seq_stride=block_seq_stride, kv_cache_dtype=torch.float32, **fields)
 
 
 @dataclass(frozen=True)

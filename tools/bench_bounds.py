@@ -5,7 +5,7 @@ the rest, measured side by side in one run.
     python tools/bench_bounds.py [--types q4_1,q8_0,f16] [--rounds 6] [--loads 2] [--steps 8] [--reuse]
                                  [--work-dir artifacts/bounds] [--bench-dir artifacts/bench] [--markdown out.md]
 
-Each type's module (tools/bench.py's archive and export, decode bs1 only) is built three times,
+Each type's module (tools/bench.py's archive and export, decode bs1 only, the export's default float16 cache) is built three times,
 with the kernels' products computing ("full"), only reading their weights, every line with the
 kernels' prefetch ("loads"), and reading nothing ("none"): $SHARKPORT_KERNEL_PRODUCTS, matvec.c's
 SHARKPORT_PRODUCTS. A type's three modules decode in interleaved rounds (--loads sessions of

@@ -5,7 +5,7 @@ hand-written kernel) or library it fell in. Shares are of all the process's samp
 workers and the calling thread):
 
     python tools/profile_step.py [--type q4_1] [--function decode|prefill] [--batch 1]
-                                 [--kv-cache-dtype float32] [--seconds 6] [--work-dir artifacts/bench]
+                                 [--kv-cache-dtype float16] [--seconds 6] [--work-dir artifacts/bench]
                                  [--mlir edited-copy-of-the-bench-module.mlir]
 
 Needs the module and archive tools/bench.py writes (run it first; `--types q4_1` for one type),
@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import Subject
+from bench import KV_SUFFIX, Subject
 
 from sharkport.compile import compile_mlir
 from sharkport.kernels import object_name, object_path, objects_named_by
@@ -116,8 +116,8 @@ def main() -> None:
     parser.add_argument("--type", default="q4_1", choices=["q4_1", "q8_0", "f16"])
     parser.add_argument("--function", default="decode", choices=["decode", "prefill"])
     parser.add_argument("--batch", type=int, default=1, choices=[1, 4], help="decode's batch size (default 1)")
-    parser.add_argument("--kv-cache-dtype", choices=["float32", "float16"], default="float32",
-                        help="which of the bench's modules (default float32)")
+    parser.add_argument("--kv-cache-dtype", choices=list(KV_SUFFIX), default="float16",
+                        help="which of the bench's modules (default float16, the bench's default)")
     parser.add_argument("--mlir", type=Path, help="profile this MLIR instead of the bench's (an edited copy of it)")
     parser.add_argument("--seconds", type=float, default=6.0, help="how long to sample (default 6)")
     parser.add_argument("--top", type=int, default=25, help="rows to print (default 25)")
@@ -125,7 +125,7 @@ def main() -> None:
     for tool in ("perf", "readelf", "nm"):
         if not shutil.which(tool):
             raise SystemExit(f"profile_step: `{tool}` is not on PATH; install linux perf and binutils")
-    kv = "" if args.kv_cache_dtype == "float32" else "-kv-f16"
+    kv = KV_SUFFIX[args.kv_cache_dtype]
     stem = args.work_dir / f"smollm2-{args.type}"
     mlir, cfg, irpa = args.mlir or Path(f"{stem}{kv}.mlir"), Path(f"{stem}{kv}.json"), Path(f"{stem}.irpa")
     for f in (mlir, cfg, irpa):

@@ -53,11 +53,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="dtype of activations (default float32, the tested one; float16 modules "
                              "compile but crash at run time on llvm-cpu with IREE 3.9, bfloat16 is "
                              "untested: docs/performance.md)")
-    parser.add_argument("--kv-cache-dtype", choices=["float32", "float16"], default="float32",
-                        help="element type of the KV cache (cache_state; default float32). float16 halves the "
-                             "bytes decode attention reads, rounding K and V to float16 as llama.cpp's default "
-                             "cache does (with --matvec-kernels too: SmolLM2 Q4_1 decode bs4 1.10x faster over "
-                             "positions 128 to 400; docs/performance.md)")
+    parser.add_argument("--kv-cache-dtype", choices=["float32", "float16"], default="float16",
+                        help="element type of the KV cache (cache_state; default float16, as llama.cpp's "
+                             "default cache: K and V rounded to float16). float32 keeps them exact at twice the "
+                             "memory and twice the bytes decode attention reads (SmolLM2 Q4_1 with "
+                             "--matvec-kernels: decode bs4 1.10x slower over positions 128 to 400; "
+                             "docs/performance.md)")
     parser.add_argument("--prefill-final-logits", action="store_true",
                         help="prefill returns only each sequence's last logits [N, 1, V], skipping the "
                              "output projection of the other positions")
