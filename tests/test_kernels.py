@@ -287,12 +287,16 @@ def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str)
     return torch.cat([turned, x[:, r:]], dim=1)
 
 
-@pytest.mark.parametrize("head_dim, rope_dim, layout, dtype, cpus", [(64, 64, "interleaved", torch.float32, 1),
-                                                                     (64, 64, "interleaved", torch.float32, 4),
-                                                                     (40, 32, "half", torch.float32, 4),
-                                                                     (64, 64, "interleaved", torch.float16, 1)])
-def test_decode_attention_equals_torch_sdpa(head_dim, rope_dim, layout, dtype, cpus, monkeypatch, tmp_path):
-    """The attention kernel (layer 1 of 2, 16 positions a page, 6 query heads on 2 kv heads,
+@pytest.mark.parametrize("head_dim, rope_dim, layout, dtype, cpus, H", [
+    (64, 64, "interleaved", torch.float32, 1, 6),
+    (64, 64, "interleaved", torch.float32, 4, 6),
+    (40, 32, "half", torch.float32, 4, 6),
+    (64, 64, "interleaved", torch.float16, 1, 6),
+    (64, 64, "interleaved", torch.float16, 4, 8),  # 4 query heads a kv head: two pairs
+    (128, 128, "half", torch.float32, 1, 14),  # 7: three, three and one
+    (64, 64, "interleaved", torch.float16, 4, 2)])  # one: no groups
+def test_decode_attention_equals_torch_sdpa(head_dim, rope_dim, layout, dtype, cpus, H, monkeypatch, tmp_path):
+    """The attention kernel (layer 1 of 2, 16 positions a page, H query heads on 2 kv heads,
     sequences of 37 and 70 positions on shuffled pages) rotates q and the new k, writes the new k
     and v into their page's slot in place (and nothing else), and equals torch's
     scaled_dot_product_attention over K/V gathered position by position. head_dim 40: the
@@ -300,7 +304,10 @@ def test_decode_attention_equals_torch_sdpa(head_dim, rope_dim, layout, dtype, c
     cache: the new k and v stored as torch's `.half()` rounds them (to within one unit in the last
     place: k is rotated in float32 by the kernel, in float64 here), the cached values read exactly.
     Exported for 1 CPU, each workgroup takes a sequence with both kv heads (and prefetches their
-    whole next page); for 4, a (sequence, kv head). The op run eagerly computes the same."""
+    whole next page); for 4, a (sequence, kv head). With AVX-512 and head_dim a multiple of 64,
+    the query heads of a kv head go two or three at a time (group_scores, group_values): 3 and 3
+    for 6 query heads, 2 and 2 for 8, 3, 3 and 1 for 14; 2 query heads take the one-head path.
+    The op run eagerly computes the same."""
     import iree.runtime as rt
     from iree.turbine import aot
 
@@ -308,7 +315,7 @@ def test_decode_attention_equals_torch_sdpa(head_dim, rope_dim, layout, dtype, c
     from sharkport.layers import PagedCache
 
     cache = PagedCache(block_count=2, kv_heads=2, head_dim=head_dim, stride=16)
-    B, H, blocks, lens = 2, 6, 5, [37, 70]
+    B, blocks, lens = 2, 5, [37, 70]
     rng = np.random.default_rng(head_dim)
     f32 = lambda *shape: torch.from_numpy(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
     state = f32(12, cache.page_elems).to(dtype)

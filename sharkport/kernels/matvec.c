@@ -1129,6 +1129,72 @@ INLINE void page_values(const int f16, float *ah, const float *p, const void *v,
   }
 }
 
+#ifdef __AVX512F__
+// Where HG query heads (2 or 3) share a kv head, their scores and their sums over V go together:
+// each vector of K and of V is loaded (and widened from float16) once for all of them.
+// Scores of positions [0, n) of the page for heads q [HG, D] into p [HG][MAX_STRIDE]; D % 16 == 0.
+INLINE void group_scores(const int f16, const size_t HG, const float *q, size_t D, const void *k, size_t slot,
+                         size_t n, float scale, float (*p)[MAX_STRIDE]) {
+  const __m256 sc = _mm256_set1_ps(scale);
+  size_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m512 a[3][8];
+    for (size_t h = 0; h < HG; ++h)
+      for (int i = 0; i < 8; ++i) a[h][i] = _mm512_setzero_ps();
+    for (size_t d = 0; d < D; d += 16) {
+      __m512 qd[3];
+      for (size_t h = 0; h < HG; ++h) qd[h] = _mm512_loadu_ps(q + h * D + d);
+      for (int i = 0; i < 8; ++i) {
+        __m512 kv = load16(f16, k, (j + i) * slot + d);
+        for (size_t h = 0; h < HG; ++h) a[h][i] = _mm512_fmadd_ps(qd[h], kv, a[h][i]);
+      }
+    }
+    for (size_t h = 0; h < HG; ++h)
+      _mm256_storeu_ps(p[h] + j, gather8(FOLD16(a[h][0]), FOLD16(a[h][1]), FOLD16(a[h][2]), FOLD16(a[h][3]),
+                                         FOLD16(a[h][4]), FOLD16(a[h][5]), FOLD16(a[h][6]), FOLD16(a[h][7]), sc));
+  }
+  for (; j < n; ++j)  // as page_scores
+    for (size_t h = 0; h < HG; ++h) {
+      __m256 a = _mm256_setzero_ps();
+      for (size_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d), load8(f16, k, j * slot + d), a);
+      p[h][j] = hsum(a) * scale;
+    }
+}
+
+// acc [HG, D] = acc * rescale[h] + sum over j < n of p[h][j] v[j], as page_values for each head
+// (its sums in the same order: even and odd positions apart); D % 64 == 0. Fetches ahead HG
+// times a position, as page_values once a head and position.
+INLINE void group_values(const int f16, const size_t HG, float *acc, size_t D, float (*p)[MAX_STRIDE],
+                         const void *v, size_t slot, size_t n, const float *rescale, next_page *pf) {
+  for (size_t d = 0; d + 64 <= D; d += 64) {
+    __m512 a[3][4], b[3][4];  // even positions, odd ones
+    for (size_t h = 0; h < HG; ++h)
+      for (int i = 0; i < 4; ++i)
+        a[h][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * D + d + 16 * i), _mm512_set1_ps(rescale[h])),
+        b[h][i] = _mm512_setzero_ps();
+    size_t j = 0;
+    for (; j + 2 <= n; j += 2) {
+      for (size_t h = 0; h < 2 * HG; ++h) prefetch_next_page(pf);
+      for (int i = 0; i < 4; ++i) {
+        __m512 ve = load16(f16, v, j * slot + d + 16 * i), vo = load16(f16, v, (j + 1) * slot + d + 16 * i);
+        for (size_t h = 0; h < HG; ++h)
+          a[h][i] = _mm512_fmadd_ps(_mm512_set1_ps(p[h][j]), ve, a[h][i]),
+          b[h][i] = _mm512_fmadd_ps(_mm512_set1_ps(p[h][j + 1]), vo, b[h][i]);
+      }
+    }
+    if (j < n) {
+      for (size_t h = 0; h < HG; ++h) prefetch_next_page(pf);
+      for (int i = 0; i < 4; ++i) {
+        __m512 ve = load16(f16, v, j * slot + d + 16 * i);
+        for (size_t h = 0; h < HG; ++h) a[h][i] = _mm512_fmadd_ps(_mm512_set1_ps(p[h][j]), ve, a[h][i]);
+      }
+    }
+    for (size_t h = 0; h < HG; ++h)
+      for (int i = 0; i < 4; ++i) _mm512_storeu_ps(acc + h * D + d + 16 * i, _mm512_add_ps(a[h][i], b[h][i]));
+  }
+}
+#endif
+
 // Head h's running softmax over one page's scores p [n]: its max and sum updated, p replaced by
 // exp(p - max); returns the factor for the earlier sums.
 INLINE float page_softmax(float *p, size_t n, float *run_max, float *run_sum) {
@@ -1154,13 +1220,42 @@ INLINE float page_softmax(float *p, size_t n, float *run_max, float *run_sum) {
   return rescale;
 }
 
+#ifdef __AVX512F__
+// One page for hg (2 or 3) query heads of one kv head, together: q [hg, D], their acc [hg, D],
+// running maxima and sums; D % 64 == 0.
+INLINE void group_page(const int f16, size_t hg, const float *q, float *acc, float *run_max, float *run_sum,
+                       const void *k, const void *v, size_t slot, size_t n, size_t D, float scale,
+                       float (*ps)[MAX_STRIDE], next_page *pf) {
+  float rescale[3];
+  if (hg == 2)
+    group_scores(f16, 2, q, D, k, slot, n, scale, ps);
+  else
+    group_scores(f16, 3, q, D, k, slot, n, scale, ps);
+  for (size_t i = 0; i < hg; ++i) rescale[i] = page_softmax(ps[i], n, run_max + i, run_sum + i);
+  if (hg == 2)
+    group_values(f16, 2, acc, D, ps, v, slot, n, rescale, pf);
+  else
+    group_values(f16, 3, acc, D, ps, v, slot, n, rescale, pf);
+}
+#endif
+
 // Workgroup wg takes one sequence b and `hpw` of its kv heads from g0
 // (kernels.ops.AttentionShape.kv_heads_per_workgroup): it writes their new k and v (kv_write), then
 // q [B, H D] (before rotary) of their query heads attends to positions [0, lens[b]) of the cache;
 // pages, layer, rcos and rsin as kv_write's; out [B, H D]. With all the kv heads, a workgroup reads
 // each page's K and V whole, in address order, once; with fewer, more workgroups share the
-// sequence. It walks the pages once, each page's kv heads and their query heads in turn. MAX_GD
-// (query heads per workgroup times head_dim) and MAX_STRIDE come from CFLAGS.
+// sequence. It walks the pages once, each page's kv heads and their query heads in turn: with
+// AVX-512 and D a multiple of 64, two or three query heads of a kv head at a time (group_page),
+// so that each vector of K and V is read and widened once for them. It fetches the first page's
+// rows at once, then each next page's along the way. MAX_GD (query heads per workgroup times
+// head_dim) and MAX_STRIDE come from CFLAGS.
+//
+// Both (session 27), SmolLM2's shapes in tools/attention_harness.c (1 thread, float16 cache, us a
+// step), before -> query heads in threes -> and the first page fetched at once: 64 positions in
+// the caches 132 -> 101 -> 104; 200 positions from memory (16 caches) 525 -> 477 -> 378; 480 (4
+// caches) 1054 -> 889 -> 759. Fetching two pages at once gained no more, and all of them lost.
+// SmolLM2 Q4_1 decode (tools/ab_decode.py, 6 and 10 loads): bs1 0.961 and 0.981 of the time, bs4
+// 0.974 and 1.004; logits bit-identical.
 INLINE void attention(const int f16, const float *q, const float *knew, const float *vnew, void *cache,
                       const int64_t *pages, const int64_t *starts, const int64_t *lens, const int64_t *layer,
                       const float *rcos, const float *rsin, float *out, size_t blocks, size_t H, size_t Hkv, size_t D,
@@ -1177,9 +1272,15 @@ INLINE void attention(const int f16, const float *q, const float *knew, const fl
   float qb[MAX_GD];  // the workgroup's query heads (those of kv heads g0 ..), rotated, [heads, D]
   for (size_t h = 0; h < heads; ++h)
     rope(qb + h * D, q + (b * H + g0 * G + h) * D, rcos + b * (R / 2), rsin + b * (R / 2), D, R, (int)interleaved);
-  float acc[MAX_GD], run_max[MAX_GD / 8], run_sum[MAX_GD / 8], p[MAX_STRIDE];
+  float acc[MAX_GD], run_max[MAX_GD / 8], run_sum[MAX_GD / 8], ps[3][MAX_STRIDE];
   for (size_t i = 0; i < heads * D; ++i) acc[i] = 0.0f;
   for (size_t h = 0; h < heads; ++h) run_max[h] = -__builtin_inff(), run_sum[h] = 0.0f;
+  if (len) {  // the first page's rows at once (the walk fetches each next page while on one)
+    size_t rows = len < stride ? len : stride, seg = hpw * D * bytes;
+    const char *k = (const char *)cache + ((size_t)page_ids[0] * L + l) * 2 * kv_elems * bytes + g0 * D * bytes;
+    next_page first = {k, 0, seg, slot_elems * bytes, rows, k + kv_elems * bytes, rows, 2 * rows * ((seg + 63) / 64)};
+    prefetch_next_page(&first);
+  }
   for (size_t t0 = 0; t0 < len; t0 += stride) {
     size_t n = len - t0 < stride ? len - t0 : stride;
     const char *page = (const char *)cache + ((size_t)page_ids[t0 / stride] * L + l) * 2 * kv_elems * bytes;
@@ -1191,12 +1292,22 @@ INLINE void attention(const int f16, const float *q, const float *knew, const fl
       pf = (next_page){k, 0, seg, slot_elems * bytes, rows, k + kv_elems * bytes, rows,
                        (2 * rows * ((seg + 63) / 64) + heads * n - 1) / (heads * n)};
     }
-    for (size_t h = 0; h < heads; ++h) {
-      size_t g = g0 + h / G;
+    for (size_t h = 0; h < heads;) {
+      size_t g = g0 + h / G, left = G - h % G;  // query heads of kv head g from h
       const void *k = page + g * D * bytes, *v = page + (kv_elems + g * D) * bytes;
-      page_scores(f16, qb + h * D, k, slot_elems, n, D, scale, p);
-      float rescale = page_softmax(p, n, run_max + h, run_sum + h);
-      page_values(f16, acc + h * D, p, v, slot_elems, n, D, rescale, &pf);
+#ifdef __AVX512F__
+      size_t hg = D % 64 ? 1 : left == 4 ? 2 : left < 3 ? left : 3;  // heads taken together (4: two pairs)
+      if (hg > 1) {
+        group_page(f16, hg, qb + h * D, acc + h * D, run_max + h, run_sum + h, k, v, slot_elems, n, D, scale, ps, &pf);
+        h += hg;
+        continue;
+      }
+#endif
+      (void)left;
+      page_scores(f16, qb + h * D, k, slot_elems, n, D, scale, ps[0]);
+      float rescale = page_softmax(ps[0], n, run_max + h, run_sum + h);
+      page_values(f16, acc + h * D, ps[0], v, slot_elems, n, D, rescale, &pf);
+      ++h;
     }
   }
   float *ob = out + (b * H + g0 * G) * D;
