@@ -94,9 +94,11 @@ def timed(fn):
 
 class BandwidthProbe:
     """The machine's read bandwidth in bytes/s, measured on each call: tools/read_bandwidth.c built
-    once by the system C compiler, a thread per CPU summing 512 MiB (far beyond the caches), best
-    of 10; without a C compiler, the best of 1- and 2-thread torch sums (about 10% lower here: its
-    reduction is not purely memory-bound). `how` says which."""
+    once by the system C compiler, a thread per CPU summing 512 MiB (far beyond the caches) on
+    2 MiB pages where Linux gives them, as the sessions' weights are (unless
+    SHARKPORT_HUGE_PAGES=0: then 4 KiB pages for both), best of 10; without a C compiler, the best
+    of 1- and 2-thread torch sums (about 10% lower here: its reduction is not purely memory-bound).
+    `how` says which."""
 
     def __init__(self):
         cc = shutil.which(os.environ.get("CC", "cc"))
@@ -106,7 +108,8 @@ class BandwidthProbe:
             self.exe = Path(self._tmp.name) / "read_bandwidth"
             subprocess.run([cc, "-O2", "-march=native", "-pthread", str(Path(__file__).with_name("read_bandwidth.c")),
                             "-o", str(self.exe)], check=True)
-        self.how = "tools/read_bandwidth.c, a thread per CPU" if cc else "torch sum (no C compiler)"
+        pages = "4 KiB pages" if os.environ.get("SHARKPORT_HUGE_PAGES") == "0" else "2 MiB pages where Linux gives them"
+        self.how = f"tools/read_bandwidth.c, a thread per CPU, {pages}" if cc else "torch sum (no C compiler)"
 
     def __call__(self, size: int = 512 << 20) -> float:
         """Bytes/s reading `size` bytes (default 512 MiB)."""

@@ -1,7 +1,11 @@
 // Memory read bandwidth of this machine, for tools/bench.py's decode limits: THREADS threads
 // (default: every CPU this process may use) each sum their share of a BYTES buffer (default
 // 512 MiB, far beyond the caches) with independent vector accumulators, REPEAT times; prints the
-// best rate in bytes/s. Built and run by tools/bench.py with the system C compiler:
+// best rate in bytes/s. The buffer is on 2 MiB pages where Linux gives them (MADV_HUGEPAGE), as
+// a session's weights are (sharkport/runtime/hugepages.py), unless SHARKPORT_HUGE_PAGES=0: on
+// this project's VM the same loop read 27.5 to 29.3 GB/s on 4 KiB pages and 31.5 to 33.6 on 2 MiB
+// ones, five runs of each alternating (docs/performance.md, session 28). Built and run by
+// tools/bench.py with the system C compiler:
 //
 //     cc -O2 -march=native -pthread tools/read_bandwidth.c -o read_bandwidth && ./read_bandwidth [BYTES [THREADS [REPEAT]]]
 #define _GNU_SOURCE
@@ -10,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 
 typedef float v8 __attribute__((vector_size(32), aligned(32)));
@@ -44,12 +49,17 @@ int main(int argc, char **argv) {
     fprintf(stderr, "read_bandwidth: bad arguments (BYTES >= 128 * THREADS, 1 <= THREADS <= 256)\n");
     return 2;
   }
-  size_t vectors = bytes / sizeof(v8) / threads / 4 * 4 * threads;
-  v8 *buffer = aligned_alloc(64, vectors * sizeof(v8));
+  size_t vectors = bytes / sizeof(v8) / threads / 4 * 4 * threads, huge = (size_t)2 << 20;
+  size_t size = (vectors * sizeof(v8) + huge - 1) / huge * huge;  // whole 2 MiB pages
+  v8 *buffer = aligned_alloc(huge, size);
   if (!buffer) {
     fprintf(stderr, "read_bandwidth: cannot allocate %zu bytes\n", bytes);
     return 1;
   }
+  const char *pages = getenv("SHARKPORT_HUGE_PAGES");
+#ifdef MADV_HUGEPAGE
+  if (!pages || strcmp(pages, "0")) madvise(buffer, size, MADV_HUGEPAGE);  // before the first touch
+#endif
   memset(buffer, 1, vectors * sizeof(v8));  // touch every page before timing
   pthread_t tid[256];
   share shares[256];

@@ -1,0 +1,80 @@
+"""Backing a session's large buffers with transparent huge pages (Linux).
+
+A compiled module's weights live in buffers IREE allocates when its context starts (the module
+initializer copies and repacks them: 521 MiB for SmolLM2 Q4_1, with prefill's float32 packing),
+with the KV cache beside them; glibc maps them with 4 KiB pages, and Linux backs them with huge
+pages only where asked (`/sys/kernel/mm/transparent_hugepage/enabled` is `madvise` on most
+distributions). Decode streams the weights, a TLB miss every 4 KiB; in a virtual machine each
+miss walks the guest's and the host's page tables. On this project's VM (docs/performance.md,
+session 28), SmolLM2 decode bs1 with the buffers on 2 MiB pages, sessions of both kinds side by
+side in one process: Q4_1 0.95 and 0.98 of the time, Q8_0 0.90 and 0.97; one session a process,
+four pairs of processes: Q4_1 3.23 against 3.40 ms a step (medians). With 4 KiB pages the first
+session of a process decoded 4 to 8% slower than later ones; on 2 MiB pages it does not. The
+collapse costs about 1.3 s of a SmolLM2 session's start here (540 MiB), 0.14 s where the host
+had the memory at hand.
+
+`Mappings.snapshot()` before the context starts and `back_new_mappings(before)` after its buffers
+exist: every anonymous mapping that appeared or grew meanwhile, at least 2 MiB, is advised
+MADV_HUGEPAGE and collapsed into huge pages now (MADV_COLLAPSE, Linux 6.1; elsewhere khugepaged
+does it over time). Nothing changes where Linux says no (THP `never`, other systems).
+SHARKPORT_HUGE_PAGES=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+HUGE = 2 << 20  # x86-64's and arm64's (4 KiB granule) PMD page
+MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25
+
+Mappings = dict[int, int]  # start -> end of each private anonymous writable mapping (and the heap)
+
+
+def enabled() -> bool:
+    """Whether sessions back their buffers with huge pages (Linux; SHARKPORT_HUGE_PAGES unset or 1)."""
+    return sys.platform.startswith("linux") and os.environ.get("SHARKPORT_HUGE_PAGES", "1") != "0"
+
+
+def snapshot() -> Mappings:
+    """This process's private anonymous writable mappings, glibc's heap among them (malloc serves
+    blocks below its mmap threshold, up to 32 MiB, from there); none where /proc is missing."""
+    found = {}
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split()
+                anonymous = len(fields) == 5 or (len(fields) == 6 and fields[5] == "[heap]")
+                if anonymous and fields[1].startswith("rw") and fields[1][3] == "p":
+                    start, end = (int(x, 16) for x in fields[0].split("-"))
+                    found[start] = end
+    except OSError:
+        pass
+    return found
+
+
+def back_new_mappings(before: Mappings) -> int:
+    """Advises huge pages for, and collapses, the whole 2 MiB spans of what is new since `before`:
+    new anonymous mappings, and the part a mapping grew by; returns the bytes advised (0 where
+    nothing was, or could be)."""
+    spans = []
+    for start, end in snapshot().items():
+        new = max(start, min(before.get(start, start), end))  # where the new part begins
+        lo, hi = (new + HUGE - 1) // HUGE * HUGE, end // HUGE * HUGE
+        if hi > lo:
+            spans.append((lo, hi - lo))
+    if not spans:
+        return 0
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    advised = 0
+    for start, size in spans:
+        if madvise(start, size, MADV_HUGEPAGE) == 0:  # fails where THP is `never`: nothing to do
+            advised += size
+            madvise(start, size, MADV_COLLAPSE)  # best effort: without it khugepaged collapses later
+    return advised
