@@ -54,16 +54,16 @@ def snapshot() -> Mappings:
     return found
 
 
-def back_new_mappings(before: Mappings) -> int:
-    """Advises huge pages for, and collapses, the whole 2 MiB spans of what is new since `before`:
-    new anonymous mappings, and the part a mapping grew by; returns the bytes advised (0 where
-    nothing was, or could be)."""
-    spans = []
-    for start, end in snapshot().items():
-        new = max(start, min(before.get(start, start), end))  # where the new part begins
-        lo, hi = (new + HUGE - 1) // HUGE * HUGE, end // HUGE * HUGE
-        if hi > lo:
-            spans.append((lo, hi - lo))
+def back_new_mappings(before: Mappings, ranges: list[tuple[int, int]] = ()) -> int:
+    """Advises huge pages for, and collapses, the whole 2 MiB spans of what is new since `before`
+    (new anonymous mappings, and the part a mapping grew by) and of `ranges` ((address, bytes):
+    buffers malloc may have placed in memory the process mapped earlier, as glibc's heap);
+    returns the bytes advised (0 where nothing was, or could be)."""
+    extents = [(max(start, min(before.get(start, start), end)), end) for start, end in snapshot().items()]
+    extents += [(address, address + size) for address, size in ranges]
+    spans = set()  # the 2 MiB pages wholly inside them
+    for lo, hi in extents:
+        spans.update(range((lo + HUGE - 1) // HUGE * HUGE, hi // HUGE * HUGE, HUGE))
     if not spans:
         return 0
     try:
@@ -73,8 +73,19 @@ def back_new_mappings(before: Mappings) -> int:
         return 0
     madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
     advised = 0
-    for start, size in spans:
+    for start, size in _runs(sorted(spans)):
         if madvise(start, size, MADV_HUGEPAGE) == 0:  # fails where THP is `never`: nothing to do
             advised += size
             madvise(start, size, MADV_COLLAPSE)  # best effort: without it khugepaged collapses later
     return advised
+
+
+def _runs(starts: list[int]) -> list[tuple[int, int]]:
+    """Sorted 2 MiB page addresses as (address, bytes) runs of adjacent pages."""
+    runs = []
+    for start in starts:
+        if runs and runs[-1][0] + runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], runs[-1][1] + HUGE)
+        else:
+            runs.append((start, HUGE))
+    return runs

@@ -190,8 +190,10 @@ class IreeSession(Session):
         dtype = _NP_CACHE_DTYPES[config.kv_cache_dtype]
         self._caches = [_to_device(rt, d, np.zeros((self.pages, config.page_elems), dtype)) for d in devices]
         self._upload = _uploader(rt, devices[0])
-        # the weights the context's initializer wrote and the caches, on 2 MiB pages (hugepages.py)
-        self.huge_page_bytes = hugepages.back_new_mappings(before) if on_cpu else 0
+        # the weights the context's initializer wrote and the caches, on 2 MiB pages (hugepages.py);
+        # a cache below glibc's mmap threshold may sit in memory mapped before, so its own range too
+        self.huge_page_bytes = hugepages.back_new_mappings(before, [_host_range(c) for c in self._caches]) \
+            if on_cpu else 0
 
     def _call(self, name: str, *args) -> np.ndarray:
         """The module's function `name` on the int64 inputs `args` and the caches: its logits.
@@ -269,6 +271,12 @@ def _one_line(e: BaseException) -> str:
 
 
 _ELEMENT_TYPES = {np.dtype(np.int64): "SINT_64", np.dtype(np.float32): "FLOAT_32", np.dtype(np.float16): "FLOAT_16"}
+
+
+def _host_range(view) -> tuple[int, int]:
+    """(address, bytes) of a host-visible buffer view's memory, as mapped."""
+    a = view.map().asarray([view.byte_length], np.dtype(np.uint8))
+    return a.ctypes.data, a.nbytes
 
 
 def _uploader(rt, device):
