@@ -13,11 +13,12 @@ session of a process decoded 4 to 8% slower than later ones; on 2 MiB pages it d
 collapse costs about 1.3 s of a SmolLM2 session's start here (540 MiB), 0.14 s where the host
 had the memory at hand.
 
-`Mappings.snapshot()` before the context starts and `back_new_mappings(before)` after its buffers
-exist: every anonymous mapping that appeared or grew meanwhile, at least 2 MiB, is advised
-MADV_HUGEPAGE and collapsed into huge pages now (MADV_COLLAPSE, Linux 6.1; elsewhere khugepaged
-does it over time). Nothing changes where Linux says no (THP `never`, other systems).
-SHARKPORT_HUGE_PAGES=0 turns it off.
+`snapshot()` before the context starts and `back_new_mappings(before, ranges)` after its buffers
+exist: the whole 2 MiB pages of every anonymous mapping that appeared or grew meanwhile, and of
+the given buffers' ranges (the caches: below glibc's mmap threshold malloc may place them in
+memory mapped before), are advised MADV_HUGEPAGE and collapsed into huge pages now
+(MADV_COLLAPSE, Linux 6.1; elsewhere khugepaged does it over time). Nothing changes where Linux
+says no (THP `never`, other systems). SHARKPORT_HUGE_PAGES=0 turns it off.
 """
 
 from __future__ import annotations
