@@ -1,6 +1,7 @@
 """Sessions back their large buffers (the weights the module's initializer writes, the KV cache)
 with transparent huge pages: the kernel's own accounting (/proc/self/smaps) must show them."""
 
+import ctypes
 import mmap
 import sys
 from pathlib import Path
@@ -32,8 +33,6 @@ def huge_kib(start: int, end: int) -> int:
 
 
 def address(m: mmap.mmap) -> int:
-    import ctypes
-
     return ctypes.addressof(ctypes.c_char.from_buffer(m))
 
 

@@ -62,6 +62,7 @@ from sharkport.export import ExportConfig, export_model, save_export
 from sharkport.models import ModelConfig
 from sharkport.packaged import packaged_gguf
 from sharkport.quant.quantize import plan_types, requantized
+from sharkport.runtime import hugepages
 from sharkport.runtime.session import IreeSession
 
 PROMPT_LEN = 128
@@ -108,7 +109,7 @@ class BandwidthProbe:
             self.exe = Path(self._tmp.name) / "read_bandwidth"
             subprocess.run([cc, "-O2", "-march=native", "-pthread", str(Path(__file__).with_name("read_bandwidth.c")),
                             "-o", str(self.exe)], check=True)
-        pages = "4 KiB pages" if os.environ.get("SHARKPORT_HUGE_PAGES") == "0" else "2 MiB pages where Linux gives them"
+        pages = "2 MiB pages where Linux gives them" if hugepages.enabled() else "4 KiB pages"
         self.how = f"tools/read_bandwidth.c, a thread per CPU, {pages}" if cc else "torch sum (no C compiler)"
 
     def __call__(self, size: int = 512 << 20) -> float:

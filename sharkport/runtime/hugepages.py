@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from collections.abc import Iterable
 
 HUGE = 2 << 20  # x86-64's and arm64's (4 KiB granule) PMD page
 MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25
@@ -55,7 +56,7 @@ def snapshot() -> Mappings:
     return found
 
 
-def back_new_mappings(before: Mappings, ranges: list[tuple[int, int]] = ()) -> int:
+def back_new_mappings(before: Mappings, ranges: Iterable[tuple[int, int]] = ()) -> int:
     """Advises huge pages for, and collapses, the whole 2 MiB spans of what is new since `before`
     (new anonymous mappings, and the part a mapping grew by) and of `ranges` ((address, bytes):
     buffers malloc may have placed in memory the process mapped earlier, as glibc's heap);

@@ -188,8 +188,8 @@ class IreeSession(Session):
         before = hugepages.snapshot() if on_cpu else {}
         self._context, self._main, self._functions = rt.VmContext(instance, modules=[params, hal, main]), main, {}
         dtype = _NP_CACHE_DTYPES[config.kv_cache_dtype]
-        self._caches = [_to_device(rt, d, np.zeros((self.pages, config.page_elems), dtype)) for d in devices]
-        self._upload = _uploader(rt, devices[0])
+        self._caches = [_uploader(rt, d)(np.zeros((self.pages, config.page_elems), dtype)) for d in devices]
+        self._upload = _uploader(rt, devices[0])  # the inputs' copies, on device 0
         # the weights the context's initializer wrote and the caches, on 2 MiB pages (hugepages.py);
         # a cache below glibc's mmap threshold may sit in memory mapped before, so its own range too
         self.huge_page_bytes = hugepages.back_new_mappings(before, [_host_range(c) for c in self._caches]) \
@@ -289,11 +289,6 @@ def _uploader(rt, device):
                              rt.BufferUsage.DEFAULT | rt.BufferUsage.MAPPING, device)
     types = {dtype: getattr(rt.HalElementType, name) for dtype, name in _ELEMENT_TYPES.items()}
     return lambda a: copy(a, types[a.dtype])
-
-
-def _to_device(rt, device, a: np.ndarray):
-    """A copy of the host array a in a buffer view on `device` (host-visible, so it maps)."""
-    return _uploader(rt, device)(a)
 
 
 class EagerSession(Session):
