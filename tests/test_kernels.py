@@ -140,12 +140,14 @@ def test_measuring_aid_products_are_zeros(kind, n, mode, two_cpus, monkeypatch, 
     assert got.shape == (2, n) and not got.any()
 
 
-@pytest.mark.parametrize("rows", [2, 5])
+@pytest.mark.parametrize("rows", [2, 4, 5])
 def test_f16_rows_ending_in_half_a_vector(rows, isa, two_cpus, tmp_path):
-    """float16 rows of 72 values: with AVX-512 (16 a vector) their last 8 take a step of their own."""
+    """float16 rows of 88 values: with AVX-512 (16 a vector, two to a loop step) their last 24 take
+    a vector and a half-vector step of their own. Two and four rows of x multiply two rows of w at a
+    time (f16_pair), each workgroup's odd row (41 rows on 2 CPUs) on its own; five, one at a time."""
     rng = np.random.default_rng(rows)
-    w = torch.from_numpy(rng.standard_normal((40, 72)).astype(np.float16))
-    x = torch.from_numpy(rng.standard_normal((rows, 72)).astype(np.float32))
+    w = torch.from_numpy(rng.standard_normal((41, 88)).astype(np.float16))
+    x = torch.from_numpy(rng.standard_normal((rows, 88)).astype(np.float32))
     got = _compile_and_run(_Linear(w), x, tmp_path=tmp_path)
     want = x.numpy().astype(np.float64) @ w.numpy().astype(np.float64).T
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())

@@ -6,10 +6,12 @@
 //
 //   matvec_harness TYPE M N K COPIES THREADS REPS
 //
-// TYPE: q4_1, q8_0, q4_1-stored, q8_0-stored or f16. q4_1 and q8_0 multiply as an exported module
-// does: the rows of w interleaved eight at a time (sharkport.kernels.interleave_rows; N a multiple
-// of 8), by sharkport_matvec_q4_1x8 and _q8_0x8. The -stored types read w as stored, a row at a
-// time (what modules do for matrices of other row counts).
+// TYPE: q4_1, q8_0, q4_1-stored, q8_0-stored, f16 or f16-swiglu. q4_1 and q8_0 multiply as an
+// exported module does: the rows of w interleaved eight at a time (sharkport.kernels.interleave_rows;
+// N a multiple of 8), by sharkport_matvec_q4_1x8 and _q8_0x8. The -stored types read w as stored, a
+// row at a time (what modules do for matrices of other row counts). f16-swiglu is the gate and up
+// projections' product, silu(x a^T) * (x b^T) (sharkport_matvec_swiglu_f16), b the copy of w half
+// the copies on from a; its GB/s count both.
 #define _GNU_SOURCE  // sched_getaffinity
 #include <pthread.h>
 #include <sched.h>
@@ -32,8 +34,10 @@ void sharkport_matvec_q8_0(MEMREF(const float), MEMREF(const int8_t), MEMREF(con
                            size_t, size_t, size_t, size_t, size_t);
 void sharkport_matvec_f16(MEMREF(const float), MEMREF(const uint16_t), MEMREF(float), size_t, size_t, size_t,
                           size_t, size_t);
+void sharkport_matvec_swiglu_f16(MEMREF(const float), MEMREF(const uint16_t), MEMREF(const uint16_t), MEMREF(float),
+                                 size_t, size_t, size_t, size_t, size_t);
 
-enum { Q4_1, Q8_0, F16, Q4_1_STORED, Q8_0_STORED };
+enum { Q4_1, Q8_0, F16, Q4_1_STORED, Q8_0_STORED, F16_SWIGLU };
 typedef struct {
   int type, thread, threads, reps;
   size_t M, N, K, rows, workgroups, copies;
@@ -58,6 +62,10 @@ static void product(const job *j, size_t c) {
     else if (j->type == Q8_0_STORED)
       sharkport_matvec_q8_0(ARG(j->x), ARG((const int8_t *)j->qs[c]), ARG(j->d[c]), ARG(j->y), j->M, j->N, j->K,
                             j->rows, wg);
+    else if (j->type == F16_SWIGLU)  // the up projection: the copy half the copies on
+      sharkport_matvec_swiglu_f16(ARG(j->x), ARG((const uint16_t *)j->qs[c]),
+                                  ARG((const uint16_t *)j->qs[(c + j->copies / 2) % j->copies]), ARG(j->y), j->M,
+                                  j->N, j->K, j->rows, wg);
     else
       sharkport_matvec_f16(ARG(j->x), ARG((const uint16_t *)j->qs[c]), ARG(j->y), j->M, j->N, j->K, j->rows, wg);
   }
@@ -85,7 +93,8 @@ int main(int argc, char **argv) {
     return 2;
   }
   int type = !strcmp(argv[1], "q4_1") ? Q4_1 : !strcmp(argv[1], "q8_0") ? Q8_0 : !strcmp(argv[1], "f16") ? F16
-             : !strcmp(argv[1], "q4_1-stored") ? Q4_1_STORED : !strcmp(argv[1], "q8_0-stored") ? Q8_0_STORED : -1;
+             : !strcmp(argv[1], "q4_1-stored") ? Q4_1_STORED : !strcmp(argv[1], "q8_0-stored") ? Q8_0_STORED
+             : !strcmp(argv[1], "f16-swiglu")  ? F16_SWIGLU : -1;
   size_t M = atol(argv[2]), N = atol(argv[3]), K = atol(argv[4]), copies = atol(argv[5]);
   int threads = atoi(argv[6]), reps = atoi(argv[7]);
   if (type < 0 || !M || M > 8 || !N || !K || K % 32 || !copies || threads < 1 || threads > 64 || reps < 1 ||
@@ -100,8 +109,8 @@ int main(int argc, char **argv) {
   size_t rows = 32 * ((N + 32 * W - 1) / (32 * W)), B = K / 32;
   rows = rows < 256 ? rows : 256;
   int q4 = type == Q4_1 || type == Q4_1_STORED, q8 = type == Q8_0 || type == Q8_0_STORED;
-  size_t qbytes = q4 ? N * K / 2 : q8 ? N * K : 2 * N * K;
-  size_t plane_bytes = type == F16 ? 0 : 2 * N * B;  // each of d (and m)
+  size_t qbytes = q4 ? N * K / 2 : q8 ? N * K : 2 * N * K;  // of one matrix
+  size_t plane_bytes = type == F16 || type == F16_SWIGLU ? 0 : 2 * N * B;  // each of d (and m)
   uint8_t **qs = calloc(copies, sizeof *qs);
   uint16_t **d = calloc(copies, sizeof *d), **m = calloc(copies, sizeof *m);
   srand(1);
@@ -109,7 +118,7 @@ int main(int argc, char **argv) {
     qs[c] = malloc(qbytes);
     d[c] = malloc(plane_bytes + 2);
     m[c] = malloc(plane_bytes + 2);
-    if (type == F16)
+    if (type == F16 || type == F16_SWIGLU)
       for (size_t i = 0; i < N * K; ++i) ((uint16_t *)qs[c])[i] = 0x3000 | (rand() & 0x83ff);  // |w| in [0.125, 0.25)
     else
       for (size_t i = 0; i < qbytes; ++i) qs[c][i] = rand();
@@ -153,7 +162,7 @@ int main(int argc, char **argv) {
     best = seconds < best ? seconds : best;
     pthread_barrier_destroy(&barrier);
   }
-  double bytes = qbytes + plane_bytes * (q4 ? 2 : q8 ? 1 : 0);
+  double bytes = (qbytes + plane_bytes * (q4 ? 2 : q8 ? 1 : 0)) * (type == F16_SWIGLU ? 2 : 1);
   printf("%.2f %.3f\n", best * 1e6, bytes / best / 1e9);
   return 0;
 }

@@ -644,10 +644,107 @@ INLINE void f16_row_zmm(const float *x, const uint16_t *wn, size_t MC, size_t K,
 #undef LOAD_W8
 #undef LOAD_X8
 }
+
+// The sums of eight 16-lane vectors, as eight floats: each vector's halves added (two vectors to a
+// shuffle pair), then _mm256_hadd_ps's tree, which transposes as it adds. About 37 operations for
+// the eight, where _mm512_reduce_add_ps takes about 8 each.
+INLINE __m256 sums8_zmm(__m512 c0, __m512 c1, __m512 c2, __m512 c3, __m512 c4, __m512 c5, __m512 c6, __m512 c7) {
+#define HALVES(a, b) /* [a's halves added, b's halves added] */ \
+  _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)))
+  __m512 p01 = HALVES(c0, c1), p23 = HALVES(c2, c3), p45 = HALVES(c4, c5), p67 = HALVES(c6, c7);
+#undef HALVES
+#define LO(p) _mm512_castps512_ps256(p)
+#define HI(p) _mm512_extractf32x8_ps(p, 1)
+  // 128-bit lane 0 of q0123: vectors 0 .. 3's first four lanes summed; lane 1: their last four.
+  __m256 q0123 = _mm256_hadd_ps(_mm256_hadd_ps(LO(p01), HI(p01)), _mm256_hadd_ps(LO(p23), HI(p23)));
+  __m256 q4567 = _mm256_hadd_ps(_mm256_hadd_ps(LO(p45), HI(p45)), _mm256_hadd_ps(LO(p67), HI(p67)));
+#undef LO
+#undef HI
+  return _mm256_add_ps(_mm256_permute2f128_ps(q0123, q4567, 0x20), _mm256_permute2f128_ps(q0123, q4567, 0x31));
+}
+
+// Two rows of float16 weights, wa and wb, times MC (2 to 4) rows of x (without AVX-512: f16_row
+// for each): f16_row_zmm's loop with each vector of x loaded once for both rows, and one reduction
+// (sums8_zmm) for the pair, where f16_row_zmm spent 8 _mm512_reduce_add_ps on each row. a[8 * i]
+// is wa's output for row i of x, b[8 * i] wb's (so a and b can be columns of out[MAX_M][8]).
+// tools/matvec_harness.c, four rows of x on two threads, us a product, the best of 8 rounds
+// interleaved: gate/up (f16-swiglu 1536x576) in the caches 143.5 -> 115.5, from memory 217.1 ->
+// 174.1. SmolLM2 F16 decode bs4 side by side (tools/ab_decode.py): 0.885 of the time over 3 loads
+// (0.870 to 0.904), 0.910 over 4 (0.856 to 0.957); bs1 unchanged.
+INLINE void f16_pair(const float *x, const uint16_t *wa, const uint16_t *wb, size_t MC, size_t K, float *a,
+                     float *b) {
+  const size_t S = F16_SPLIT(2 * MC);  // chains a (row of w, row of x): chain n is pair n / S's
+  _Static_assert(2 * 2 * F16_SPLIT(4) == 8 && 2 * 3 * F16_SPLIT(6) <= 8 && 2 * 4 * F16_SPLIT(8) == 8,
+                 "ch0 .. ch7 name every chain");
+  __m512 ch0 = _mm512_setzero_ps(), ch1 = ch0, ch2 = ch0, ch3 = ch0, ch4 = ch0, ch5 = ch0, ch6 = ch0, ch7 = ch0;
+  // Pair p = n / S is row p / MC of w (wa, then wb) times row p % MC of x.
+#define CHAIN_STEP(n, u) \
+  if (n < 2 * MC * S && n % S == (u)) ch##n = _mm512_fmadd_ps(n / S < MC ? va : vb, X_ROW(n / S % MC), ch##n);
+#define X_ROW(i) ((i) == 0 ? x0 : (i) == 1 ? x1 : (i) == 2 ? x2 : x3)
+  // Each row of x's vector is loaded once for both rows of w, into a register: gcc otherwise folds
+  // the load into each multiply-add, loading it twice.
+#define LOAD_X_ROW(i, k, LOAD_X)                            \
+  __m512 x##i = LOAD_X(x + ((i) < MC ? (i) : 0) * K + (k)); \
+  if ((i) < MC) __asm__("" : "+v"(x##i));
+#define STEP(k, u, LOAD_W, LOAD_X)                                                                        \
+  {                                                                                                       \
+    __m512 va = _mm512_cvtph_ps(LOAD_W(wa + (k))), vb = _mm512_cvtph_ps(LOAD_W(wb + (k)));               \
+    LOAD_X_ROW(0, k, LOAD_X) LOAD_X_ROW(1, k, LOAD_X) LOAD_X_ROW(2, k, LOAD_X) LOAD_X_ROW(3, k, LOAD_X) \
+    CHAIN_STEP(0, u) CHAIN_STEP(1, u) CHAIN_STEP(2, u) CHAIN_STEP(3, u)                                   \
+    CHAIN_STEP(4, u) CHAIN_STEP(5, u) CHAIN_STEP(6, u) CHAIN_STEP(7, u)                                   \
+  }
+#define LOAD_W16(p) _mm256_loadu_si256((const __m256i *)(p))
+#define LOAD_W8(p) _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(p)))  // upper lanes 0
+#define LOAD_X8(p) _mm512_maskz_loadu_ps(0xFF, p)
+  size_t k = 0;
+  for (; k + 32 <= K; k += 32) {  // a line of each row of w
+    PREFETCH_LINE(wa + k);
+    PREFETCH_LINE(wb + k);
+    STEP(k, 0, LOAD_W16, _mm512_loadu_ps)
+    STEP(k + 16, 1 % S, LOAD_W16, _mm512_loadu_ps)
+  }
+  if (k + 16 <= K) {
+    STEP(k, 0, LOAD_W16, _mm512_loadu_ps)
+    k += 16;
+  }
+  if (k < K) STEP(k, 1 % S, LOAD_W8, LOAD_X8)
+  float sums[8];
+  _mm256_storeu_ps(sums, sums8_zmm(ch0, ch1, ch2, ch3, ch4, ch5, ch6, ch7));
+  for (size_t i = 0; i < MC; ++i) {
+    a[8 * i] = b[8 * i] = 0.0f;
+    for (size_t v = 0; v < S; ++v) a[8 * i] += sums[i * S + v], b[8 * i] += sums[(MC + i) * S + v];
+  }
+#undef CHAIN_STEP
+#undef X_ROW
+#undef LOAD_X_ROW
+#undef STEP
+#undef LOAD_W16
+#undef LOAD_W8
+#undef LOAD_X8
+}
 #define F16_ROWS f16_row_zmm
 #else
 #define F16_ROWS f16_row
+INLINE void f16_pair(const float *x, const uint16_t *wa, const uint16_t *wb, size_t MC, size_t K, float *a,
+                     float *b) {
+  float column[MAX_M];
+  f16_row(x, wa, MC, K, column);
+  for (size_t i = 0; i < MC; ++i) a[8 * i] = column[i];
+  f16_row(x, wb, MC, K, column);
+  for (size_t i = 0; i < MC; ++i) b[8 * i] = column[i];
+}
 #endif
+// The rows of x (mc) at which product_rows takes F16 rows of w two at a time (f16_pair). Not with
+// SHARKPORT_PRODUCTS, whose read_rows stands in for some_rows (so F16 does not bypass some_rows).
+#define F16_PAIRS(mc) (!SHARKPORT_PRODUCTS && (mc) >= 2 && (mc) <= 4)
+INLINE void f16_pairs(const float *x, const uint16_t *wa, const uint16_t *wb, size_t mc, size_t K, float *a,
+                      float *b) {  // f16_pair with its row count a constant
+  switch (mc) {
+    case 2: f16_pair(x, wa, wb, 2, K, a, b); break;
+    case 3: f16_pair(x, wa, wb, 3, K, a, b); break;
+    default: f16_pair(x, wa, wb, 4, K, a, b); break;
+  }
+}
 
 // exp(x) for x <= 0 (scores minus their running max): 2^n exp(r), n = round(x / ln 2),
 // r = x - n ln 2 in two parts, exp(r) by its Taylor polynomial of degree 7 (|r| <= 0.35:
@@ -724,6 +821,15 @@ NOINLINE void read_rows(int kind, const matrix *w, size_t n, size_t rows, size_t
 }
 #endif
 
+// Row wn of float16 weights times rows [0, mc) of x into column c of out.
+INLINE void f16_rows(const float *x, const uint16_t *wn, size_t mc, size_t K, float out[MAX_M][8], size_t c) {
+  float column[MAX_M];
+#define ROW(MC) ((MC) == 1 ? f16_row : F16_ROWS)(x, wn, MC, K, column)
+  FOR_CONSTANT_MC(mc, ROW)
+#undef ROW
+  for (size_t i = 0; i < mc; ++i) out[i][c] = column[i];
+}
+
 // Rows n .. n + 7 of matrix w with interleaved rows (Q4_0X8, Q4_1X8, Q8_0X8), else row n, times
 // rows [m0, m0 + mc) of x (quantized in ws unless F16) into out[0, mc)[r].
 INLINE void some_rows(int kind, workspace *ws, const float *x, const matrix *w, size_t n, size_t mc, size_t K,
@@ -739,10 +845,7 @@ INLINE void some_rows(int kind, workspace *ws, const float *x, const matrix *w, 
   return;
 #endif
   if (kind == F16) {
-#define ROW(MC) ((MC) == 1 ? f16_row : F16_ROWS)(x, (const uint16_t *)w->qs + n * K, MC, K, column)
-    FOR_CONSTANT_MC(mc, ROW)
-#undef ROW
-    for (size_t i = 0; i < mc; ++i) out[i][0] = column[i];
+    f16_rows(x, (const uint16_t *)w->qs + n * K, mc, K, out, 0);
     return;
   }
   const uint8_t *qn = (const uint8_t *)w->qs + n * (kind == Q8_0 || kind == Q8_0X8 ? K : K / 2);
@@ -812,28 +915,67 @@ INLINE void product_rows(int kind, int op, workspace *ws, const float *x, const 
                          const float *r, float *y, size_t M, size_t N, size_t K, size_t m0, size_t mc, size_t n0,
                          size_t n1) {
   const size_t group = kind == Q4_0X8 || kind == Q4_1X8 || kind == Q8_0X8 ? 8 : 1;  // rows of w at a time
+  const int pairs = kind == F16 && F16_PAIRS(mc);  // F16 rows of w two at a time (f16_pairs)
+  x += m0 * K;
   size_t j = 0, first = 0;  // the matrix holding output n, its first output
-  for (size_t n = n0; n < n1; n += group) {
+  for (size_t n = n0, step; n < n1; n += step) {
     while (op == CONCAT && j + 1 < count && n >= first + w[j].n) first += w[j++].n;
+    const uint16_t *f16 = (const uint16_t *)w[j].qs + (n - first) * K;  // F16: row n's weights
     float out[MAX_M][8];
-    some_rows(kind, ws, x + m0 * K, &w[j], n - first, mc, K, out);
+    step = group;
     if (op == SWIGLU) {
       float up[MAX_M][8];
-      some_rows(kind, ws, x + m0 * K, &w[1], n, mc, K, up);
+      if (kind == F16 && !SHARKPORT_PRODUCTS) {
+        // Up to eight outputs, so that their silu goes at once (swiglu8; a silu at a time took
+        // 15% of gate/up's samples at four rows of x, a product in the caches).
+        // tools/matvec_harness.c f16-swiglu 1536x576, four rows of x, the best of 8 rounds: in the
+        // caches 115.5 -> 97.7 us, from memory 174.1 -> 156.2. SmolLM2 F16 decode bs4, 4 loads
+        // side by side: 0.910 -> 0.878 of the time before f16_pair.
+        step = n1 - n < 8 ? n1 - n : 8;
+        for (size_t c = 0; c < step; ++c) {
+          const uint16_t *gate = f16 + c * K, *upw = (const uint16_t *)w[1].qs + (n + c) * K;
+          if (pairs) {  // the gate's row and the up projection's together
+            f16_pairs(x, gate, upw, mc, K, out[0] + c, up[0] + c);
+          } else {
+            f16_rows(x, gate, mc, K, out, c);
+            f16_rows(x, upw, mc, K, up, c);
+          }
+        }
+      } else {
+        some_rows(kind, ws, x, &w[0], n, mc, K, out);
+        some_rows(kind, ws, x, &w[1], n, mc, K, up);
+      }
       for (size_t i = 0; i < mc; ++i) {
         float *yi = y + (m0 + i) * N + n;
-        if (group == 8)  // the group's eight outputs at once
+        if (step == 8)  // eight outputs at once
           _mm256_storeu_ps(yi, swiglu8(_mm256_loadu_ps(out[i]), _mm256_loadu_ps(up[i])));
         else
-          yi[0] = silu(out[i][0]) * up[i][0];
+          for (size_t c = 0; c < step; ++c) yi[c] = silu(out[i][c]) * up[i][c];
       }
-    } else {
-      for (size_t i = 0; i < mc; ++i)
-        for (size_t c = 0; c < group; ++c) {
-          size_t at = first * M + (m0 + i) * w[j].n + n - first + c;
-          y[at] = r ? r[at] + out[i][c] : out[i][c];
-        }
+      continue;
     }
+    const size_t end = n1 < first + w[j].n ? n1 : first + w[j].n, h = (end - n) / 2;  // of matrix j
+    if (pairs && h) {
+      // Matrix j's rows [n, end) two at a time, n + p with n + h + p: so each row of a pair walks
+      // forward through the weights as one row at a time would (pairing rows n + p and n + p + 1
+      // instead read 1536x576 from memory 10 to 20% slower than one row at a time did).
+      for (size_t p = 0; p < h; ++p) {
+        f16_pairs(x, f16 + p * K, f16 + (h + p) * K, mc, K, out[0], out[0] + 1);
+        for (size_t i = 0; i < mc; ++i) {
+          size_t at = first * M + (m0 + i) * w[j].n + n - first + p;
+          y[at] = r ? r[at] + out[i][0] : out[i][0];
+          y[at + h] = r ? r[at + h] + out[i][1] : out[i][1];
+        }
+      }
+      step = 2 * h;  // an odd row left over goes on its own
+      continue;
+    }
+    some_rows(kind, ws, x, &w[j], n - first, mc, K, out);
+    for (size_t i = 0; i < mc; ++i)
+      for (size_t c = 0; c < group; ++c) {
+        size_t at = first * M + (m0 + i) * w[j].n + n - first + c;
+        y[at] = r ? r[at] + out[i][c] : out[i][c];
+      }
   }
 }
 
