@@ -920,7 +920,7 @@ INLINE void product_rows(int kind, int op, workspace *ws, const float *x, const 
   size_t j = 0, first = 0;  // the matrix holding output n, its first output
   for (size_t n = n0, step; n < n1; n += step) {
     while (op == CONCAT && j + 1 < count && n >= first + w[j].n) first += w[j++].n;
-    const uint16_t *f16 = (const uint16_t *)w[j].qs + (n - first) * K;  // F16: row n's weights
+    const uint16_t *f16 = kind == F16 ? (const uint16_t *)w[j].qs + (n - first) * K : 0;  // row n's weights
     float out[MAX_M][8];
     step = group;
     if (op == SWIGLU) {
