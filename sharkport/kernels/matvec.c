@@ -825,7 +825,7 @@ NOINLINE void read_rows(int kind, const matrix *w, size_t n, size_t rows, size_t
       if (ahead) PREFETCH_LINE(qs + i);
       seen ^= qs[i];
     }
-    if (ahead && (kind == Q4_0X8 || kind == Q4_1X8)) PREFETCH_PLANES((const uint16_t *)d, (const uint16_t *)m, b);
+    if (kind == Q4_0X8 || kind == Q4_1X8) PREFETCH_PLANES((const uint16_t *)d, (const uint16_t *)m, b);
     if (d) seen ^= d[2 * rows * b];
     if (m) seen ^= m[2 * rows * b];
   }
