@@ -33,23 +33,46 @@
 #define INLINE static inline __attribute__((always_inline))
 #define NOINLINE static __attribute__((noinline))
 // Q8_0 weights (with AVX-512, at two or more rows of x: see q8_x8_zmm), and Q4 weights interleaved
-// eight rows at a time (q4_x8), are read PREFETCH bytes ahead: SmolLM2 Q8_0 decode through the
+// eight rows at a time (q4_x8), are fetched ahead (now in two steps where interleaved, below);
+// PREFETCH bytes ahead in one step: SmolLM2 Q8_0 decode through the
 // runner 7.40 -> 6.80 ms (AVX2, rows as stored); Q4_1 four rows at a time (the loop q4_x8 replaced)
 // 1536x576 from memory in tools/matvec_harness.c 15.5 -> 16.5 GB/s, four rows of x 7.3 -> 9.0.
 // (F16 took 5% longer, and Q4 one row at a time gained nothing.)
 #define PREFETCH 2048
 #define PREFETCH_LINE(p) _mm_prefetch((const char *)(p) + PREFETCH, _MM_HINT_T0)
+// The Q4 x8 loops, and Q8_0's AVX-512 x8 loop at two or more rows of x, fetch in two steps
+// instead: FAR_AHEAD bytes ahead into L2 (T1), then NEAR_AHEAD bytes ahead into L1 (T0). One step
+// of PREFETCH bytes into L1 keeps a core's few L1 misses in flight for the whole trip from memory;
+// the step into L1 from L2 is short. SmolLM2 decode, tools/ab_decode.py against one step (Zen 4):
+// Q4_1 bs1 0.948, 0.956, 0.978 and 0.930 of the time, bs4 0.934, 0.915, 0.933 and 0.896 (6, 4, 6
+// and 6 loads); with the AVX2 loops (SHARKPORT_KERNEL_ISA=avx2) bs1 0.937, bs4 0.939 (6 loads);
+// Q8_0 bs4 0.927 and 0.906, bs1 unchanged (it fetches nothing ahead there: fetching its weights
+// into L2 at one row of x took 1.044 of the time). 8192 bytes ahead, 512 for L1, or T2 for T1 did
+// no better.
+#define FAR_AHEAD 4096
+#define NEAR_AHEAD 768
+#define PREFETCH_TWO_STEPS(p)                                                          \
+  do {                                                                                 \
+    _mm_prefetch((const char *)(p) + FAR_AHEAD, _MM_HINT_T1);                          \
+    _mm_prefetch((const char *)(p) + NEAR_AHEAD, _MM_HINT_T0);                         \
+  } while (0)
 // The Q4 x8 loops fetch their scales (and Q4_1's offsets) as many blocks ahead as their weights:
-// a block's are 16 bytes of each plane against its 128 of weights, so PREFETCH / 8 bytes ahead, a
-// line every 4 blocks. Left to the hardware's prefetch, they are streams of their own beside the
-// weights'. SmolLM2 Q4_1 decode, tools/ab_decode.py against the loops without (Zen 4): bs1 0.969,
-// 0.976, 0.977 and 0.974 of the time, bs4 0.968, 0.979, 0.971 and 0.992 (6, 10, 8 and 8 loads);
-// the AVX2 loops there (SHARKPORT_KERNEL_ISA=avx2) bs1 0.990, bs4 0.959 (8 loads).
-#define PREFETCH_PLANES(d, m, b)                                                      \
-  do {                                                                                \
-    if ((b) & 3) break;                                                               \
-    _mm_prefetch((const char *)((d) + 8 * (b)) + PREFETCH / 8, _MM_HINT_T0);          \
-    if (m) _mm_prefetch((const char *)((m) + 8 * (b)) + PREFETCH / 8, _MM_HINT_T0);   \
+// a block's are 16 bytes of each plane against its 128 of weights, so an eighth as many bytes
+// ahead, a line every 4 blocks. Left to the hardware's prefetch, they are streams of their own
+// beside the weights'. SmolLM2 Q4_1 decode, tools/ab_decode.py against the loops without (Zen 4,
+// when both fetched PREFETCH bytes ahead in one step): bs1 0.969, 0.976, 0.977 and 0.974 of the
+// time, bs4 0.968, 0.979, 0.971 and 0.992 (6, 10, 8 and 8 loads); the AVX2 loops bs1 0.990, bs4
+// 0.959 (8 loads).
+#define PREFETCH_PLANE_LINES(d, m, b, ahead, hint)                                     \
+  do {                                                                                 \
+    _mm_prefetch((const char *)((d) + 8 * (b)) + (ahead), hint);                       \
+    if (m) _mm_prefetch((const char *)((m) + 8 * (b)) + (ahead), hint);                \
+  } while (0)
+#define PREFETCH_PLANES(d, m, b)                                                       \
+  do {                                                                                 \
+    if ((b) & 3) break;                                                                \
+    PREFETCH_PLANE_LINES(d, m, b, FAR_AHEAD / 8, _MM_HINT_T1);                         \
+    PREFETCH_PLANE_LINES(d, m, b, NEAR_AHEAD / 8, _MM_HINT_T0);                        \
   } while (0)
 // SHARKPORT_PRODUCTS, a measuring aid (tools/bench_bounds.py builds the object with it through
 // $SHARKPORT_KERNEL_PRODUCTS): 0, the default, computes the products; 1 only reads their weights,
@@ -350,8 +373,8 @@ INLINE void q4_x8(const workspace *ws, int kind, const uint8_t *qs, const uint16
   const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   EIGHT(__m256, acc, _mm256_setzero_ps());
   for (size_t b = 0; b < B; ++b, qs += 128) {
-    PREFETCH_LINE(qs);
-    PREFETCH_LINE(qs + 64);
+    PREFETCH_TWO_STEPS(qs);
+    PREFETCH_TWO_STEPS(qs + 64);
     PREFETCH_PLANES(d, m, b);  // m: null for Q4_0
     EIGHT(__m256i, s, _mm256_setzero_si256());
     for (size_t j = 0; j < 4; ++j) {
@@ -442,8 +465,8 @@ INLINE void q4_x8_zmm(const workspace *ws, int kind, const uint8_t *qs, const ui
   EIGHT(__m512, acc, _mm512_setzero_ps());
   EIGHT(__m256, off, _mm256_setzero_ps());
   for (size_t b = 0; b < B; ++b, qs += 128) {
-    PREFETCH_LINE(qs);
-    PREFETCH_LINE(qs + 64);
+    PREFETCH_TWO_STEPS(qs);
+    PREFETCH_TWO_STEPS(qs + 64);
     PREFETCH_PLANES(d, m, b);  // m: null for Q4_0
     __m512i v0 = pair_chunks(_mm512_loadu_si512(qs)), v1 = pair_chunks(_mm512_loadu_si512(qs + 64));
     __m512i lo0 = _mm512_and_si512(v0, low4), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low4);
@@ -472,7 +495,8 @@ INLINE void q4_x8_zmm(const workspace *ws, int kind, const uint8_t *qs, const ui
 // faster here): SmolLM2 Q8_0 decode bs1 through the runner, tools/ab_decode.py over 8 loads (Zen 4):
 // 0.893 (0.827 to 0.948) and 0.850 (0.788 to 0.939) of the time with the prefetch in two runs, bs4
 // unchanged (0.998, 1.024); Q4_1, whose output projection is Q8_0, 0.964 (0.890 to 1.042). Q4's x8
-// loops keep theirs (without it too: Q4_1 0.985, so about 2% slower in its Q4 products).
+// loops keep theirs (without it too: Q4_1 0.985, so about 2% slower in its Q4 products). At two or
+// more rows of x it fetches them in two steps (FAR_AHEAD).
 INLINE void q8_x8_zmm(const workspace *ws, const int8_t *qs, const uint16_t *d, size_t MC, size_t K,
                       float out[MAX_M][8]) {
   size_t B = K / 32;
@@ -481,7 +505,7 @@ INLINE void q8_x8_zmm(const workspace *ws, const int8_t *qs, const uint16_t *d, 
   EIGHT(__m256, off, _mm256_setzero_ps());
   for (size_t b = 0; b < B; ++b, qs += 256) {
     if (MC > 1)
-      for (size_t line = 0; line < 256; line += 64) PREFETCH_LINE(qs + line);
+      for (size_t line = 0; line < 256; line += 64) PREFETCH_TWO_STEPS(qs + line);
     __m512i u[4];
     for (size_t j = 0; j < 4; ++j) u[j] = _mm512_xor_si512(pair_chunks(_mm512_loadu_si512(qs + 64 * j)), bias);
     __m256 d8 = halves8(d + 8 * b);
@@ -807,25 +831,30 @@ INLINE __m256 swiglu8(__m256 g, __m256 u) {
 
 #if SHARKPORT_PRODUCTS == 1
 // Rows [n, n + rows) of w's planes read (SHARKPORT_PRODUCTS 1) in the products' order, a block of
-// 32 values of the rows at a time: a byte of each line of its weights, fetched PREFETCH bytes ahead
-// where the product for mc rows of x fetches them, and a byte of its scales (and offsets), fetched
-// ahead as the Q4 x8 loops fetch them.
+// 32 values of the rows at a time: a byte of each line of its weights, fetched ahead where and as
+// the product for mc rows of x fetches them (PREFETCH bytes ahead, or in two steps), and a byte of
+// its scales (and offsets), fetched ahead as the Q4 x8 loops fetch them.
 NOINLINE void read_rows(int kind, const matrix *w, size_t n, size_t rows, size_t mc, size_t K) {
   size_t B = K / 32, block = rows * (kind == F16 ? 64 : kind == Q8_0 || kind == Q8_0X8 ? 32 : 16);
   const uint8_t *qs = (const uint8_t *)w->qs + n * B * (block / rows);
   const uint8_t *d = kind == F16 ? 0 : (const uint8_t *)(w->d + n * B), *m = w->m ? (const uint8_t *)(w->m + n * B) : 0;
+  const int q4_x8 = kind == Q4_0X8 || kind == Q4_1X8;
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
   const int ahead = kind == Q8_0X8 || kind == F16 ? mc > 1 : kind != Q4_0 && kind != Q4_1;  // see q8_x8_zmm
+  const int two_steps = q4_x8 || kind == Q8_0X8;  // see FAR_AHEAD
 #else
-  const int ahead = kind != F16 && kind != Q4_0 && kind != Q4_1;
+  const int ahead = kind != F16 && kind != Q4_0 && kind != Q4_1, two_steps = q4_x8;
 #endif
   uint8_t seen = 0;
   for (size_t b = 0; b < B; ++b, qs += block) {
     for (size_t i = 0; i < block; i += 64) {
-      if (ahead) PREFETCH_LINE(qs + i);
+      if (ahead && two_steps)
+        PREFETCH_TWO_STEPS(qs + i);
+      else if (ahead)
+        PREFETCH_LINE(qs + i);
       seen ^= qs[i];
     }
-    if (kind == Q4_0X8 || kind == Q4_1X8) PREFETCH_PLANES((const uint16_t *)d, (const uint16_t *)m, b);
+    if (q4_x8) PREFETCH_PLANES((const uint16_t *)d, (const uint16_t *)m, b);
     if (d) seen ^= d[2 * rows * b];
     if (m) seen ^= m[2 * rows * b];
   }
