@@ -44,10 +44,10 @@
 // instead: FAR_AHEAD bytes ahead into L2 (T1), then NEAR_AHEAD bytes ahead into L1 (T0). One step
 // of PREFETCH bytes into L1 keeps a core's few L1 misses in flight for the whole trip from memory;
 // the step into L1 from L2 is short. SmolLM2 decode, tools/ab_decode.py against one step (Zen 4):
-// Q4_1 bs1 0.948, 0.956, 0.978 and 0.930 of the time, bs4 0.934, 0.915, 0.933 and 0.896 (6, 4, 6
-// and 6 loads); with the AVX2 loops (SHARKPORT_KERNEL_ISA=avx2) bs1 0.937, bs4 0.939 (6 loads);
-// Q8_0 bs4 0.927 and 0.906, bs1 unchanged (it fetches nothing ahead there: fetching its weights
-// into L2 at one row of x took 1.044 of the time). 8192 bytes ahead, 512 for L1, or T2 for T1 did
+// Q4_1 bs1 0.956, 0.978 and 0.930 of the time, bs4 0.915, 0.933 and 0.896 (4, 6 and 6 loads); with
+// the AVX2 loops (SHARKPORT_KERNEL_ISA=avx2) bs1 0.937, bs4 0.939 (6 loads); Q8_0 bs4 0.927 and
+// 0.906, bs1 unchanged (it fetches nothing ahead there: fetching its weights into L2 at one row of
+// x took 1.044 of the time). 8192 bytes ahead, 512 for L1, T2 for T1, or the scales in one step did
 // no better.
 #define FAR_AHEAD 4096
 #define NEAR_AHEAD 768
