@@ -40,15 +40,16 @@
 // (F16 took 5% longer, and Q4 one row at a time gained nothing.)
 #define PREFETCH 2048
 #define PREFETCH_LINE(p) _mm_prefetch((const char *)(p) + PREFETCH, _MM_HINT_T0)
-// The Q4 x8 loops, and Q8_0's AVX-512 x8 loop at two or more rows of x, fetch in two steps
-// instead: FAR_AHEAD bytes ahead into L2 (T1), then NEAR_AHEAD bytes ahead into L1 (T0). One step
+// The Q4 x8 loops, and Q8_0's and F16's AVX-512 loops at two or more rows of x, fetch in two
+// steps instead: FAR_AHEAD bytes ahead into L2 (T1), then NEAR_AHEAD bytes ahead into L1 (T0). One step
 // of PREFETCH bytes into L1 keeps a core's few L1 misses in flight for the whole trip from memory;
 // the step into L1 from L2 is short. SmolLM2 decode, tools/ab_decode.py against one step (Zen 4):
 // Q4_1 bs1 0.956, 0.978 and 0.930 of the time, bs4 0.915, 0.933 and 0.896 (4, 6 and 6 loads); with
 // the AVX2 loops (SHARKPORT_KERNEL_ISA=avx2) bs1 0.937, bs4 0.939 (6 loads); Q8_0 bs4 0.927 and
 // 0.906, bs1 unchanged (it fetches nothing ahead there: fetching its weights into L2 at one row of
-// x took 1.044 of the time). 8192 bytes ahead, 512 for L1, T2 for T1, or the scales in one step did
-// no better.
+// x took 1.044 of the time); F16 bs4 0.764 (0.695 to 0.846; 4 loads), bs1 unchanged (f16_row
+// fetches nothing ahead). 8192 bytes ahead, 512 for L1, T2 for T1, or the scales in one step did no
+// better.
 #define FAR_AHEAD 4096
 #define NEAR_AHEAD 768
 #define PREFETCH_TWO_STEPS(p)                                                          \
@@ -640,7 +641,7 @@ INLINE void f16_row(const float *x, const uint16_t *wn, size_t MC, size_t K, flo
 // F16 decode bs4, 8 and 12 rounds side by side: 8.871 -> 7.392 ms, 9.156 -> 7.683. One row of x is
 // bound by memory, and took 3 to 5% longer this way (bs1 4.442 -> 4.651 ms): it stays in f16_row.
 // Each chain is a variable of its own (ch0 .. ch8, as ROWS_OF_X above), and the weights are read
-// PREFETCH bytes ahead: kept in an array, the sums went to the stack as soon as the loop held a
+// ahead (PREFETCH bytes then; in two steps since, see FAR_AHEAD): kept in an array, the sums went to the stack as soon as the loop held a
 // prefetch (which then doubled a product's time; and likely what made F16 slower with prefetch
 // before). tools/matvec_harness.c, 1536x576, us a product, two threads from memory: four rows of x
 // 50.4 / 49.1 -> 43.1 / 43.1 (named sums alone 44.5 / 44.2), two rows 33.6 / 34.0 -> 29.4 / 29.1;
@@ -662,7 +663,7 @@ INLINE void f16_row_zmm(const float *x, const uint16_t *wn, size_t MC, size_t K,
   }
   size_t k = 0;
   for (; k + 16 * S <= K; k += 16 * S) {
-    PREFETCH_LINE(wn + k);
+    PREFETCH_TWO_STEPS(wn + k);
     STEP(k, 0, LOAD_W16, _mm512_loadu_ps)
     if (S > 1) STEP(k + 16, 1, LOAD_W16, _mm512_loadu_ps)
     if (S > 2) STEP(k + 32, 2, LOAD_W16, _mm512_loadu_ps)
@@ -732,8 +733,8 @@ INLINE void f16_pair(const float *x, const uint16_t *wa, const uint16_t *wb, siz
   }
   size_t k = 0;
   for (; k + 32 <= K; k += 32) {  // a line of each row of w
-    PREFETCH_LINE(wa + k);
-    PREFETCH_LINE(wb + k);
+    PREFETCH_TWO_STEPS(wa + k);
+    PREFETCH_TWO_STEPS(wb + k);
     STEP(k, 0, LOAD_W16, _mm512_loadu_ps)
     STEP(k + 16, 1 % S, LOAD_W16, _mm512_loadu_ps)
   }
