@@ -33,16 +33,16 @@
 #define INLINE static inline __attribute__((always_inline))
 #define NOINLINE static __attribute__((noinline))
 // Q8_0 weights (with AVX-512, at two or more rows of x: see q8_x8_zmm), and Q4 weights interleaved
-// eight rows at a time (q4_x8), are fetched ahead (now in two steps where interleaved, below);
-// PREFETCH bytes ahead in one step: SmolLM2 Q8_0 decode through the
+// eight rows at a time (q4_x8), are fetched ahead (since session 31 in two steps where interleaved,
+// see FAR_AHEAD). PREFETCH bytes ahead in one step, against none: SmolLM2 Q8_0 decode through the
 // runner 7.40 -> 6.80 ms (AVX2, rows as stored); Q4_1 four rows at a time (the loop q4_x8 replaced)
 // 1536x576 from memory in tools/matvec_harness.c 15.5 -> 16.5 GB/s, four rows of x 7.3 -> 9.0.
 // (F16 took 5% longer, and Q4 one row at a time gained nothing.)
 #define PREFETCH 2048
 #define PREFETCH_LINE(p) _mm_prefetch((const char *)(p) + PREFETCH, _MM_HINT_T0)
 // The Q4 x8 loops, and Q8_0's and F16's AVX-512 loops at two or more rows of x, fetch in two
-// steps instead: FAR_AHEAD bytes ahead into L2 (T1), then NEAR_AHEAD bytes ahead into L1 (T0). One step
-// of PREFETCH bytes into L1 keeps a core's few L1 misses in flight for the whole trip from memory;
+// steps instead: FAR_AHEAD bytes ahead into L2 (T1), then NEAR_AHEAD bytes ahead into L1 (T0).
+// One step of PREFETCH bytes into L1 keeps a core's few L1 misses in flight for the whole trip from memory;
 // the step into L1 from L2 is short. SmolLM2 decode, tools/ab_decode.py against one step (Zen 4):
 // Q4_1 bs1 0.956, 0.978 and 0.930 of the time, bs4 0.915, 0.933 and 0.896 (4, 6 and 6 loads); with
 // the AVX2 loops (SHARKPORT_KERNEL_ISA=avx2) bs1 0.937, bs4 0.939 (6 loads); Q8_0 bs4 0.927 and
@@ -641,8 +641,8 @@ INLINE void f16_row(const float *x, const uint16_t *wn, size_t MC, size_t K, flo
 // F16 decode bs4, 8 and 12 rounds side by side: 8.871 -> 7.392 ms, 9.156 -> 7.683. One row of x is
 // bound by memory, and took 3 to 5% longer this way (bs1 4.442 -> 4.651 ms): it stays in f16_row.
 // Each chain is a variable of its own (ch0 .. ch8, as ROWS_OF_X above), and the weights are read
-// ahead (PREFETCH bytes then; in two steps since, see FAR_AHEAD): kept in an array, the sums went to the stack as soon as the loop held a
-// prefetch (which then doubled a product's time; and likely what made F16 slower with prefetch
+// ahead (PREFETCH bytes then; in two steps since, see FAR_AHEAD): kept in an array, the sums went
+// to the stack as soon as the loop held a prefetch (which then doubled a product's time; and likely what made F16 slower with prefetch
 // before). tools/matvec_harness.c, 1536x576, us a product, two threads from memory: four rows of x
 // 50.4 / 49.1 -> 43.1 / 43.1 (named sums alone 44.5 / 44.2), two rows 33.6 / 34.0 -> 29.4 / 29.1;
 // one thread in the caches, four rows 50.3 -> 46.5. SmolLM2 F16 decode bs4, 10 rounds side by
@@ -842,7 +842,7 @@ NOINLINE void read_rows(int kind, const matrix *w, size_t n, size_t rows, size_t
   const int q4_x8 = kind == Q4_0X8 || kind == Q4_1X8;
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
   const int ahead = kind == Q8_0X8 || kind == F16 ? mc > 1 : kind != Q4_0 && kind != Q4_1;  // see q8_x8_zmm
-  const int two_steps = q4_x8 || kind == Q8_0X8;  // see FAR_AHEAD
+  const int two_steps = q4_x8 || kind == Q8_0X8 || kind == F16;  // see FAR_AHEAD
 #else
   const int ahead = kind != F16 && kind != Q4_0 && kind != Q4_1, two_steps = q4_x8;
 #endif
