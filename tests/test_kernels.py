@@ -143,8 +143,9 @@ def test_measuring_aid_products_are_zeros(kind, n, mode, two_cpus, monkeypatch, 
 @pytest.mark.parametrize("rows", [2, 4, 5])
 def test_f16_rows_ending_in_half_a_vector(rows, isa, two_cpus, tmp_path):
     """float16 rows of 88 values: with AVX-512 (16 a vector, two to a loop step) their last 24 take
-    a vector and a half-vector step of their own. Two and four rows of x multiply two rows of w at a
-    time (f16_pair), each workgroup's odd row (41 rows on 2 CPUs) on its own; five, one at a time."""
+    a vector and a half-vector step of their own; with AVX2's f16_pair (8 a vector, four to a step)
+    two vectors and one. Two and four rows of x multiply two rows of w at a time (f16_pair), each
+    workgroup's odd row (41 rows on 2 CPUs) on its own; five, one at a time."""
     rng = np.random.default_rng(rows)
     w = torch.from_numpy(rng.standard_normal((41, 88)).astype(np.float16))
     x = torch.from_numpy(rng.standard_normal((rows, 88)).astype(np.float32))

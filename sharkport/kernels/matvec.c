@@ -40,16 +40,18 @@
 // (F16 took 5% longer, and Q4 one row at a time gained nothing.)
 #define PREFETCH 2048
 #define PREFETCH_LINE(p) _mm_prefetch((const char *)(p) + PREFETCH, _MM_HINT_T0)
-// The Q4 x8 loops, and Q8_0's and F16's AVX-512 loops at two or more rows of x, fetch in two
-// steps instead: FAR_AHEAD bytes ahead into L2 (T1), then NEAR_AHEAD bytes ahead into L1 (T0).
-// One step of PREFETCH bytes into L1 keeps a core's few L1 misses in flight for the whole trip from memory;
-// the step into L1 from L2 is short. SmolLM2 decode, tools/ab_decode.py against one step (Zen 4):
+// The Q4 x8 loops, Q8_0's AVX-512 loop at two or more rows of x, and F16's loops at two or more
+// rows of x (but f16_row's) fetch in two steps instead: FAR_AHEAD bytes ahead into L2 (T1), then
+// NEAR_AHEAD bytes ahead into L1 (T0). One step of PREFETCH bytes into L1 keeps a core's few L1
+// misses in flight for the whole trip from memory; the step into L1 from L2 is short. SmolLM2 decode, tools/ab_decode.py against one step (Zen 4):
 // Q4_1 bs1 0.956, 0.978 and 0.930 of the time, bs4 0.915, 0.933 and 0.896 (4, 6 and 6 loads); with
 // the AVX2 loops (SHARKPORT_KERNEL_ISA=avx2) bs1 0.937, bs4 0.939 (6 loads); Q8_0 bs4 0.927 and
 // 0.906, bs1 unchanged (it fetches nothing ahead there: fetching its weights into L2 at one row of
 // x took 1.044 of the time); F16 bs4 0.764 (0.695 to 0.846; 4 loads), bs1 unchanged (f16_row
-// fetches nothing ahead). 8192 bytes ahead, 512 for L1, T2 for T1, or the scales in one step did no
-// better.
+// fetches nothing ahead; fetching in two steps there took 1.022). 8192 bytes ahead, 512 for L1, T2
+// for T1, or the scales in one step did no better. The AVX2 Q8_0 loop (q8_x8) keeps one step: in
+// two, Q8_0 bs1 took 0.987 then 1.079 of the time on a quieter host, bs4 0.941 then 0.999 (6 loads
+// each); with none at one row of x, bs1 1.126.
 #define FAR_AHEAD 4096
 #define NEAR_AHEAD 768
 #define PREFETCH_TWO_STEPS(p)                                                          \
@@ -610,6 +612,15 @@ FOR_EACH_ROW_COUNT(Q8_X8_AT)
 // (tools/matvec_harness.c, 1536x576, one thread in the caches: 4 rows 16.9 -> 23.7 GB/s, 3 rows
 // 19.0 -> 29.3; SmolLM2 F16 decode bs4 11.46 -> 9.40 ms).
 #define F16_SPLIT(MC) ((MC) == 1 ? 8 : (MC) == 2 ? 4 : (MC) == 3 ? 3 : (MC) == 4 ? 2 : 1)
+
+// The sums of eight 8-lane vectors, as eight floats: _mm256_hadd_ps's tree, which transposes as it
+// adds (128-bit lane 0 of q0123 holds vectors 0 .. 3's first four lanes summed, lane 1 their last
+// four), then the two lanes added.
+INLINE __m256 sums8(__m256 c0, __m256 c1, __m256 c2, __m256 c3, __m256 c4, __m256 c5, __m256 c6, __m256 c7) {
+  __m256 q0123 = _mm256_hadd_ps(_mm256_hadd_ps(c0, c1), _mm256_hadd_ps(c2, c3));
+  __m256 q4567 = _mm256_hadd_ps(_mm256_hadd_ps(c4, c5), _mm256_hadd_ps(c6, c7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(q0123, q4567, 0x20), _mm256_permute2f128_ps(q0123, q4567, 0x31));
+}
 INLINE void f16_row(const float *x, const uint16_t *wn, size_t MC, size_t K, float *out) {
   __m256 acc[MC][8];
   for (size_t i = 0; i < MC; ++i)
@@ -684,8 +695,8 @@ INLINE void f16_row_zmm(const float *x, const uint16_t *wn, size_t MC, size_t K,
 }
 
 // The sums of eight 16-lane vectors, as eight floats: each vector's halves added (two vectors to a
-// shuffle pair), then _mm256_hadd_ps's tree, which transposes as it adds. About 37 operations for
-// the eight, where _mm512_reduce_add_ps takes about 8 each.
+// shuffle pair), then sums8's tree. About 37 operations for the eight, where _mm512_reduce_add_ps
+// takes about 8 each.
 INLINE __m256 sums8_zmm(__m512 c0, __m512 c1, __m512 c2, __m512 c3, __m512 c4, __m512 c5, __m512 c6, __m512 c7) {
 #define HALVES(a, b) /* [a's halves added, b's halves added] */ \
   _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)))
@@ -693,16 +704,13 @@ INLINE __m256 sums8_zmm(__m512 c0, __m512 c1, __m512 c2, __m512 c3, __m512 c4, _
 #undef HALVES
 #define LO(p) _mm512_castps512_ps256(p)
 #define HI(p) _mm512_extractf32x8_ps(p, 1)
-  // 128-bit lane 0 of q0123: vectors 0 .. 3's first four lanes summed; lane 1: their last four.
-  __m256 q0123 = _mm256_hadd_ps(_mm256_hadd_ps(LO(p01), HI(p01)), _mm256_hadd_ps(LO(p23), HI(p23)));
-  __m256 q4567 = _mm256_hadd_ps(_mm256_hadd_ps(LO(p45), HI(p45)), _mm256_hadd_ps(LO(p67), HI(p67)));
+  return sums8(LO(p01), HI(p01), LO(p23), HI(p23), LO(p45), HI(p45), LO(p67), HI(p67));
 #undef LO
 #undef HI
-  return _mm256_add_ps(_mm256_permute2f128_ps(q0123, q4567, 0x20), _mm256_permute2f128_ps(q0123, q4567, 0x31));
 }
 
-// Two rows of float16 weights, wa and wb, times MC (2 to 4) rows of x (without AVX-512: f16_row
-// for each): f16_row_zmm's loop with each vector of x loaded once for both rows, and one reduction
+// Two rows of float16 weights, wa and wb, times MC (2 to 4) rows of x (without AVX-512: the same
+// in 8-lane vectors, below): f16_row_zmm's loop with each vector of x loaded once for both rows, and one reduction
 // (sums8_zmm) for the pair, where f16_row_zmm spent 8 _mm512_reduce_add_ps on each row. a[8 * i]
 // is wa's output for row i of x, b[8 * i] wb's (so a and b can be columns of out[MAX_M][8]).
 // tools/matvec_harness.c, four rows of x on two threads, us a product, the best of 8 rounds
@@ -760,13 +768,53 @@ INLINE void f16_pair(const float *x, const uint16_t *wa, const uint16_t *wb, siz
 #define F16_ROWS f16_row_zmm
 #else
 #define F16_ROWS f16_row
+// f16_pair (above) in 8-lane vectors, for objects built for AVX2: each vector of x loaded once for
+// both rows of w, where f16_row for each row loaded it twice. Eight chains at most, as above; with
+// the two rows of w and four of x, 14 of the 16 vector registers. SmolLM2 F16 decode with
+// SHARKPORT_KERNEL_ISA=avx2 (Zen 4), tools/ab_decode.py against f16_row for each row, 4 loads: bs4
+// 0.664 of the time (0.629 to 0.680; 16.2 -> 10.9 ms, so bs4/bs1 2.2x -> 3.3x), bs1 unchanged.
 INLINE void f16_pair(const float *x, const uint16_t *wa, const uint16_t *wb, size_t MC, size_t K, float *a,
                      float *b) {
-  float column[MAX_M];
-  f16_row(x, wa, MC, K, column);
-  for (size_t i = 0; i < MC; ++i) a[8 * i] = column[i];
-  f16_row(x, wb, MC, K, column);
-  for (size_t i = 0; i < MC; ++i) b[8 * i] = column[i];
+  const size_t S = F16_SPLIT(2 * MC);  // chains a (row of w, row of x): chain n is pair n / S's
+  __m256 ch0 = _mm256_setzero_ps(), ch1 = ch0, ch2 = ch0, ch3 = ch0, ch4 = ch0, ch5 = ch0, ch6 = ch0, ch7 = ch0;
+  // Pair p = n / S is row p / MC of w (wa, then wb) times row p % MC of x.
+#define CHAIN_STEP(n, u) \
+  if (n < 2 * MC * S && n % S == (u)) ch##n = _mm256_fmadd_ps(n / S < MC ? va : vb, X_ROW(n / S % MC), ch##n);
+#define X_ROW(i) ((i) == 0 ? x0 : (i) == 1 ? x1 : (i) == 2 ? x2 : x3)
+#define LOAD_X_ROW(i, k)                                                 \
+  __m256 x##i = _mm256_loadu_ps(x + ((i) < MC ? (i) : 0) * K + (k));    \
+  if ((i) < MC) __asm__("" : "+x"(x##i));
+#define STEP(k, u)                                                                             \
+  {                                                                                            \
+    __m256 va = halves8(wa + (k)), vb = halves8(wb + (k));                                     \
+    LOAD_X_ROW(0, k) LOAD_X_ROW(1, k) LOAD_X_ROW(2, k) LOAD_X_ROW(3, k)                        \
+    CHAIN_STEP(0, u) CHAIN_STEP(1, u) CHAIN_STEP(2, u) CHAIN_STEP(3, u)                        \
+    CHAIN_STEP(4, u) CHAIN_STEP(5, u) CHAIN_STEP(6, u) CHAIN_STEP(7, u)                        \
+  }
+  size_t k = 0;
+  for (; k + 32 <= K; k += 32) {  // a line of each row of w
+    PREFETCH_TWO_STEPS(wa + k);
+    PREFETCH_TWO_STEPS(wb + k);
+    STEP(k, 0)
+    STEP(k + 8, 1 % S)
+    STEP(k + 16, 0)
+    STEP(k + 24, 1 % S)
+  }
+  for (; k + 16 <= K; k += 16) {
+    STEP(k, 0)
+    STEP(k + 8, 1 % S)
+  }
+  if (k < K) STEP(k, 0)
+  float sums[8];
+  _mm256_storeu_ps(sums, sums8(ch0, ch1, ch2, ch3, ch4, ch5, ch6, ch7));
+  for (size_t i = 0; i < MC; ++i) {
+    a[8 * i] = b[8 * i] = 0.0f;
+    for (size_t v = 0; v < S; ++v) a[8 * i] += sums[i * S + v], b[8 * i] += sums[(MC + i) * S + v];
+  }
+#undef CHAIN_STEP
+#undef X_ROW
+#undef LOAD_X_ROW
+#undef STEP
 }
 #endif
 // The rows of x (mc) at which product_rows takes F16 rows of w two at a time (f16_pair). Not with
