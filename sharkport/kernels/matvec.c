@@ -621,6 +621,27 @@ INLINE __m256 sums8(__m256 c0, __m256 c1, __m256 c2, __m256 c3, __m256 c4, __m25
   __m256 q4567 = _mm256_hadd_ps(_mm256_hadd_ps(c4, c5), _mm256_hadd_ps(c6, c7));
   return _mm256_add_ps(_mm256_permute2f128_ps(q0123, q4567, 0x20), _mm256_permute2f128_ps(q0123, q4567, 0x31));
 }
+
+// f16_pair's chains (below), the same for both instruction sets' vectors, FMA their multiply-add:
+// chain n, one of ch0 .. ch7, is pair p = n / S's, row p / MC of w (va, from wa; then vb, from wb)
+// times row p % MC of x (x0 .. x3); F16_PAIR_OUTPUTS puts their sums (SUMS8 of the eight, as eight
+// floats) in a[8 * i], wa's output for row i of x, and b[8 * i], wb's.
+#define F16_PAIR_X(i) ((i) == 0 ? x0 : (i) == 1 ? x1 : (i) == 2 ? x2 : x3)
+#define F16_PAIR_CHAIN(FMA, n, u) \
+  if (n < 2 * MC * S && n % S == (u)) ch##n = FMA(n / S < MC ? va : vb, F16_PAIR_X(n / S % MC), ch##n);
+#define F16_PAIR_CHAINS(FMA, u)                                                                           \
+  F16_PAIR_CHAIN(FMA, 0, u) F16_PAIR_CHAIN(FMA, 1, u) F16_PAIR_CHAIN(FMA, 2, u) F16_PAIR_CHAIN(FMA, 3, u) \
+  F16_PAIR_CHAIN(FMA, 4, u) F16_PAIR_CHAIN(FMA, 5, u) F16_PAIR_CHAIN(FMA, 6, u) F16_PAIR_CHAIN(FMA, 7, u)
+#define F16_PAIR_OUTPUTS(SUMS8)                                                                        \
+  do {                                                                                                 \
+    float sums[8];                                                                                     \
+    _mm256_storeu_ps(sums, SUMS8(ch0, ch1, ch2, ch3, ch4, ch5, ch6, ch7));                             \
+    for (size_t i = 0; i < MC; ++i) {                                                                  \
+      a[8 * i] = b[8 * i] = 0.0f;                                                                      \
+      for (size_t v = 0; v < S; ++v) a[8 * i] += sums[i * S + v], b[8 * i] += sums[(MC + i) * S + v]; \
+    }                                                                                                  \
+  } while (0)
+
 INLINE void f16_row(const float *x, const uint16_t *wn, size_t MC, size_t K, float *out) {
   __m256 acc[MC][8];
   for (size_t i = 0; i < MC; ++i)
@@ -723,10 +744,6 @@ INLINE void f16_pair(const float *x, const uint16_t *wa, const uint16_t *wb, siz
   _Static_assert(2 * 2 * F16_SPLIT(4) == 8 && 2 * 3 * F16_SPLIT(6) <= 8 && 2 * 4 * F16_SPLIT(8) == 8,
                  "ch0 .. ch7 name every chain");
   __m512 ch0 = _mm512_setzero_ps(), ch1 = ch0, ch2 = ch0, ch3 = ch0, ch4 = ch0, ch5 = ch0, ch6 = ch0, ch7 = ch0;
-  // Pair p = n / S is row p / MC of w (wa, then wb) times row p % MC of x.
-#define CHAIN_STEP(n, u) \
-  if (n < 2 * MC * S && n % S == (u)) ch##n = _mm512_fmadd_ps(n / S < MC ? va : vb, X_ROW(n / S % MC), ch##n);
-#define X_ROW(i) ((i) == 0 ? x0 : (i) == 1 ? x1 : (i) == 2 ? x2 : x3)
   // Each row of x's vector is loaded once for both rows of w, into a register: gcc otherwise folds
   // the load into each multiply-add, loading it twice.
 #define LOAD_X_ROW(i, k, LOAD_X)                            \
@@ -736,8 +753,7 @@ INLINE void f16_pair(const float *x, const uint16_t *wa, const uint16_t *wb, siz
   {                                                                                                       \
     __m512 va = _mm512_cvtph_ps(LOAD_W(wa + (k))), vb = _mm512_cvtph_ps(LOAD_W(wb + (k)));               \
     LOAD_X_ROW(0, k, LOAD_X) LOAD_X_ROW(1, k, LOAD_X) LOAD_X_ROW(2, k, LOAD_X) LOAD_X_ROW(3, k, LOAD_X) \
-    CHAIN_STEP(0, u) CHAIN_STEP(1, u) CHAIN_STEP(2, u) CHAIN_STEP(3, u)                                   \
-    CHAIN_STEP(4, u) CHAIN_STEP(5, u) CHAIN_STEP(6, u) CHAIN_STEP(7, u)                                   \
+    F16_PAIR_CHAINS(_mm512_fmadd_ps, u)                                                                   \
   }
   size_t k = 0;
   for (; k + 32 <= K; k += 32) {  // a line of each row of w
@@ -751,14 +767,7 @@ INLINE void f16_pair(const float *x, const uint16_t *wa, const uint16_t *wb, siz
     k += 16;
   }
   if (k < K) STEP(k, 1 % S, LOAD_W8, LOAD_X8)
-  float sums[8];
-  _mm256_storeu_ps(sums, sums8_zmm(ch0, ch1, ch2, ch3, ch4, ch5, ch6, ch7));
-  for (size_t i = 0; i < MC; ++i) {
-    a[8 * i] = b[8 * i] = 0.0f;
-    for (size_t v = 0; v < S; ++v) a[8 * i] += sums[i * S + v], b[8 * i] += sums[(MC + i) * S + v];
-  }
-#undef CHAIN_STEP
-#undef X_ROW
+  F16_PAIR_OUTPUTS(sums8_zmm);
 #undef LOAD_X_ROW
 #undef STEP
 }
@@ -777,10 +786,6 @@ INLINE void f16_pair(const float *x, const uint16_t *wa, const uint16_t *wb, siz
                      float *b) {
   const size_t S = F16_SPLIT(2 * MC);  // chains a (row of w, row of x): chain n is pair n / S's
   __m256 ch0 = _mm256_setzero_ps(), ch1 = ch0, ch2 = ch0, ch3 = ch0, ch4 = ch0, ch5 = ch0, ch6 = ch0, ch7 = ch0;
-  // Pair p = n / S is row p / MC of w (wa, then wb) times row p % MC of x.
-#define CHAIN_STEP(n, u) \
-  if (n < 2 * MC * S && n % S == (u)) ch##n = _mm256_fmadd_ps(n / S < MC ? va : vb, X_ROW(n / S % MC), ch##n);
-#define X_ROW(i) ((i) == 0 ? x0 : (i) == 1 ? x1 : (i) == 2 ? x2 : x3)
 #define LOAD_X_ROW(i, k)                                                 \
   __m256 x##i = _mm256_loadu_ps(x + ((i) < MC ? (i) : 0) * K + (k));    \
   if ((i) < MC) __asm__("" : "+x"(x##i));
@@ -788,8 +793,7 @@ INLINE void f16_pair(const float *x, const uint16_t *wa, const uint16_t *wb, siz
   {                                                                                            \
     __m256 va = halves8(wa + (k)), vb = halves8(wb + (k));                                     \
     LOAD_X_ROW(0, k) LOAD_X_ROW(1, k) LOAD_X_ROW(2, k) LOAD_X_ROW(3, k)                        \
-    CHAIN_STEP(0, u) CHAIN_STEP(1, u) CHAIN_STEP(2, u) CHAIN_STEP(3, u)                        \
-    CHAIN_STEP(4, u) CHAIN_STEP(5, u) CHAIN_STEP(6, u) CHAIN_STEP(7, u)                        \
+    F16_PAIR_CHAINS(_mm256_fmadd_ps, u)                                                        \
   }
   size_t k = 0;
   for (; k + 32 <= K; k += 32) {  // a line of each row of w
@@ -805,14 +809,7 @@ INLINE void f16_pair(const float *x, const uint16_t *wa, const uint16_t *wb, siz
     STEP(k + 8, 1 % S)
   }
   if (k < K) STEP(k, 0)
-  float sums[8];
-  _mm256_storeu_ps(sums, sums8(ch0, ch1, ch2, ch3, ch4, ch5, ch6, ch7));
-  for (size_t i = 0; i < MC; ++i) {
-    a[8 * i] = b[8 * i] = 0.0f;
-    for (size_t v = 0; v < S; ++v) a[8 * i] += sums[i * S + v], b[8 * i] += sums[(MC + i) * S + v];
-  }
-#undef CHAIN_STEP
-#undef X_ROW
+  F16_PAIR_OUTPUTS(sums8);
 #undef LOAD_X_ROW
 #undef STEP
 }
