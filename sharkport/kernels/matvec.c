@@ -43,15 +43,15 @@
 // The Q4 x8 loops, Q8_0's AVX-512 loop at two or more rows of x, and F16's loops at two or more
 // rows of x (but f16_row's) fetch in two steps instead: FAR_AHEAD bytes ahead into L2 (T1), then
 // NEAR_AHEAD bytes ahead into L1 (T0). One step of PREFETCH bytes into L1 keeps a core's few L1
-// misses in flight for the whole trip from memory; the step into L1 from L2 is short. SmolLM2 decode, tools/ab_decode.py against one step (Zen 4):
-// Q4_1 bs1 0.956, 0.978 and 0.930 of the time, bs4 0.915, 0.933 and 0.896 (4, 6 and 6 loads); with
-// the AVX2 loops (SHARKPORT_KERNEL_ISA=avx2) bs1 0.937, bs4 0.939 (6 loads); Q8_0 bs4 0.927 and
-// 0.906, bs1 unchanged (it fetches nothing ahead there: fetching its weights into L2 at one row of
-// x took 1.044 of the time); F16 bs4 0.764 (0.695 to 0.846; 4 loads), bs1 unchanged (f16_row
-// fetches nothing ahead; fetching in two steps there took 1.022). 8192 bytes ahead, 512 for L1, T2
-// for T1, or the scales in one step did no better. The AVX2 Q8_0 loop (q8_x8) keeps one step: in
-// two, Q8_0 bs1 took 0.987 then 1.079 of the time on a quieter host, bs4 0.941 then 0.999 (6 loads
-// each); with none at one row of x, bs1 1.126.
+// misses in flight for the whole trip from memory; the step into L1 from L2 is short. SmolLM2
+// decode, tools/ab_decode.py against one step (Zen 4): Q4_1 bs1 0.956, 0.978 and 0.930 of the time,
+// bs4 0.915, 0.933 and 0.896 (4, 6 and 6 loads); with the AVX2 loops (SHARKPORT_KERNEL_ISA=avx2)
+// bs1 0.937, bs4 0.939 (6 loads); Q8_0 bs4 0.927 and 0.906, bs1 unchanged (it fetches nothing ahead
+// there: fetching its weights into L2 at one row of x took 1.044 of the time); F16 bs4 0.764 (0.695
+// to 0.846; 4 loads), bs1 unchanged (f16_row fetches nothing ahead; fetching in two steps there
+// took 1.022). 8192 bytes ahead, 512 for L1, T2 for T1, or the scales in one step did no better.
+// The AVX2 Q8_0 loop (q8_x8) keeps one step: in two, Q8_0 bs1 took 0.987 then 1.079 of the time on
+// a quieter host, bs4 0.941 then 0.999 (6 loads each); with none at one row of x, bs1 1.126.
 #define FAR_AHEAD 4096
 #define NEAR_AHEAD 768
 #define PREFETCH_TWO_STEPS(p)                                                          \
@@ -626,6 +626,8 @@ INLINE __m256 sums8(__m256 c0, __m256 c1, __m256 c2, __m256 c3, __m256 c4, __m25
 // chain n, one of ch0 .. ch7, is pair p = n / S's, row p / MC of w (va, from wa; then vb, from wb)
 // times row p % MC of x (x0 .. x3); F16_PAIR_OUTPUTS puts their sums (SUMS8 of the eight, as eight
 // floats) in a[8 * i], wa's output for row i of x, and b[8 * i], wb's.
+_Static_assert(2 * 2 * F16_SPLIT(4) == 8 && 2 * 3 * F16_SPLIT(6) <= 8 && 2 * 4 * F16_SPLIT(8) == 8,
+               "ch0 .. ch7 name every chain of f16_pair");
 #define F16_PAIR_X(i) ((i) == 0 ? x0 : (i) == 1 ? x1 : (i) == 2 ? x2 : x3)
 #define F16_PAIR_CHAIN(FMA, n, u) \
   if (n < 2 * MC * S && n % S == (u)) ch##n = FMA(n / S < MC ? va : vb, F16_PAIR_X(n / S % MC), ch##n);
@@ -669,16 +671,17 @@ INLINE void f16_row(const float *x, const uint16_t *wn, size_t MC, size_t K, flo
 
 // f16_row in 16-lane vectors, for two or more rows of x where the object is built for AVX-512
 // (kernels.isa()): half the conversions and multiply-adds; a row's last 8 values, if K is not a
-// multiple of 16, in a step of its own (masked loads throughout ran slower than AVX2). SmolLM2
-// F16 decode bs4, 8 and 12 rounds side by side: 8.871 -> 7.392 ms, 9.156 -> 7.683. One row of x is
+// multiple of 16, in a step of its own (masked loads throughout ran slower than AVX2). SmolLM2 F16
+// decode bs4, 8 and 12 rounds side by side: 8.871 -> 7.392 ms, 9.156 -> 7.683. One row of x is
 // bound by memory, and took 3 to 5% longer this way (bs1 4.442 -> 4.651 ms): it stays in f16_row.
 // Each chain is a variable of its own (ch0 .. ch8, as ROWS_OF_X above), and the weights are read
 // ahead (PREFETCH bytes then; in two steps since, see FAR_AHEAD): kept in an array, the sums went
-// to the stack as soon as the loop held a prefetch (which then doubled a product's time; and likely what made F16 slower with prefetch
-// before). tools/matvec_harness.c, 1536x576, us a product, two threads from memory: four rows of x
-// 50.4 / 49.1 -> 43.1 / 43.1 (named sums alone 44.5 / 44.2), two rows 33.6 / 34.0 -> 29.4 / 29.1;
-// one thread in the caches, four rows 50.3 -> 46.5. SmolLM2 F16 decode bs4, 10 rounds side by
-// side: 6.510 -> 6.096 ms (named sums alone 6.385), bs1 unchanged (3.896 -> 3.894).
+// to the stack as soon as the loop held a prefetch (which then doubled a product's time; and likely
+// what made F16 slower with prefetch before). tools/matvec_harness.c, 1536x576, us a product, two
+// threads from memory: four rows of x 50.4 / 49.1 -> 43.1 / 43.1 (named sums alone 44.5 / 44.2),
+// two rows 33.6 / 34.0 -> 29.4 / 29.1; one thread in the caches, four rows 50.3 -> 46.5. SmolLM2
+// F16 decode bs4, 10 rounds side by side: 6.510 -> 6.096 ms (named sums alone 6.385), bs1 unchanged
+// (3.896 -> 3.894).
 INLINE void f16_row_zmm(const float *x, const uint16_t *wn, size_t MC, size_t K, float *out) {
   const size_t S = F16_SPLIT(MC);  // chains a row of x: chain n is row n / S's, for vector n % S of a step
   __m512 ch0 = _mm512_setzero_ps(), ch1 = ch0, ch2 = ch0, ch3 = ch0, ch4 = ch0, ch5 = ch0, ch6 = ch0, ch7 = ch0, ch8 = ch0;
@@ -730,19 +733,17 @@ INLINE __m256 sums8_zmm(__m512 c0, __m512 c1, __m512 c2, __m512 c3, __m512 c4, _
 #undef HI
 }
 
-// Two rows of float16 weights, wa and wb, times MC (2 to 4) rows of x (without AVX-512: the same
-// in 8-lane vectors, below): f16_row_zmm's loop with each vector of x loaded once for both rows, and one reduction
-// (sums8_zmm) for the pair, where f16_row_zmm spent 8 _mm512_reduce_add_ps on each row. a[8 * i]
-// is wa's output for row i of x, b[8 * i] wb's (so a and b can be columns of out[MAX_M][8]).
-// tools/matvec_harness.c, four rows of x on two threads, us a product, the best of 8 rounds
-// interleaved: gate/up (f16-swiglu 1536x576) in the caches 143.5 -> 115.5, from memory 217.1 ->
-// 174.1. SmolLM2 F16 decode bs4 side by side (tools/ab_decode.py): 0.885 of the time over 3 loads
-// (0.870 to 0.904), 0.910 over 4 (0.856 to 0.957); bs1 unchanged.
+// Two rows of float16 weights, wa and wb, times MC (2 to 4) rows of x (without AVX-512: the same in
+// 8-lane vectors, below): f16_row_zmm's loop with each vector of x loaded once for both rows, and
+// one reduction (sums8_zmm) for the pair, where f16_row_zmm spent 8 _mm512_reduce_add_ps on each
+// row. a[8 * i] is wa's output for row i of x, b[8 * i] wb's (so a and b can be columns of
+// out[MAX_M][8]). tools/matvec_harness.c, four rows of x on two threads, us a product, the best of
+// 8 rounds interleaved: gate/up (f16-swiglu 1536x576) in the caches 143.5 -> 115.5, from memory
+// 217.1 -> 174.1. SmolLM2 F16 decode bs4 side by side (tools/ab_decode.py): 0.885 of the time over
+// 3 loads (0.870 to 0.904), 0.910 over 4 (0.856 to 0.957); bs1 unchanged.
 INLINE void f16_pair(const float *x, const uint16_t *wa, const uint16_t *wb, size_t MC, size_t K, float *a,
                      float *b) {
   const size_t S = F16_SPLIT(2 * MC);  // chains a (row of w, row of x): chain n is pair n / S's
-  _Static_assert(2 * 2 * F16_SPLIT(4) == 8 && 2 * 3 * F16_SPLIT(6) <= 8 && 2 * 4 * F16_SPLIT(8) == 8,
-                 "ch0 .. ch7 name every chain");
   __m512 ch0 = _mm512_setzero_ps(), ch1 = ch0, ch2 = ch0, ch3 = ch0, ch4 = ch0, ch5 = ch0, ch6 = ch0, ch7 = ch0;
   // Each row of x's vector is loaded once for both rows of w, into a register: gcc otherwise folds
   // the load into each multiply-add, loading it twice.
@@ -815,8 +816,10 @@ INLINE void f16_pair(const float *x, const uint16_t *wa, const uint16_t *wb, siz
 }
 #endif
 // The rows of x (mc) at which product_rows takes F16 rows of w two at a time (f16_pair). Not with
-// SHARKPORT_PRODUCTS, whose read_rows stands in for some_rows (so F16 does not bypass some_rows).
-#define F16_PAIRS(mc) (!SHARKPORT_PRODUCTS && (mc) >= 2 && (mc) <= 4)
+// SHARKPORT_PRODUCTS, whose read_rows stands in for some_rows (so F16 does not bypass some_rows),
+// fetching as f16_pair would (F16_PAIR_ROWS).
+#define F16_PAIR_ROWS(mc) ((mc) >= 2 && (mc) <= 4)
+#define F16_PAIRS(mc) (!SHARKPORT_PRODUCTS && F16_PAIR_ROWS(mc))
 INLINE void f16_pairs(const float *x, const uint16_t *wa, const uint16_t *wb, size_t mc, size_t K, float *a,
                       float *b) {  // f16_pair with its row count a constant
   switch (mc) {
@@ -889,7 +892,9 @@ NOINLINE void read_rows(int kind, const matrix *w, size_t n, size_t rows, size_t
   const int ahead = kind == Q8_0X8 || kind == F16 ? mc > 1 : kind != Q4_0 && kind != Q4_1;  // see q8_x8_zmm
   const int two_steps = q4_x8 || kind == Q8_0X8 || kind == F16;  // see FAR_AHEAD
 #else
-  const int ahead = kind != F16 && kind != Q4_0 && kind != Q4_1, two_steps = q4_x8;
+  // F16: f16_pair fetches, f16_row (one row of x, or more than four) does not
+  const int ahead = kind == F16 ? F16_PAIR_ROWS(mc) : kind != Q4_0 && kind != Q4_1;
+  const int two_steps = q4_x8 || kind == F16;
 #endif
   uint8_t seen = 0;
   for (size_t b = 0; b < B; ++b, qs += block) {
