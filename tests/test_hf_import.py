@@ -10,7 +10,6 @@ tokenizers from HF tokenizer files, against references we did not write:
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import re
@@ -27,6 +26,7 @@ from sharkport.formats.hf import hf_tokenizer_files, read_hf
 from sharkport.formats.keys import LlamaHParams
 from sharkport.tokenizer import Tokenizer, tokenizer_metadata_from_hf
 from sharkport.tools import import_hf as import_hf_cli
+from tiny_models import assert_same_hparams
 from test_llama_tiny import BATCHES, check_prefill_decode, eager_session, hf_logits, prompts_for
 from test_tokenizer import TEXTS, _corpus
 
@@ -76,8 +76,7 @@ def test_sharded_fixture_is_sharded(sharded_dir):
 @pytest.mark.parametrize("variant", params(["mha-tied", "gqa-untied", "mha-bias"]))
 def test_metadata_matches_gguf_import(tiny, irpa_of, hf_irpa, variant):
     hf_ds, gguf_ds = Dataset.load(hf_irpa(variant)), Dataset.load(irpa_of(variant))
-    hf_hp, gguf_hp = (dataclasses.asdict(LlamaHParams.from_metadata(d.hparams)) for d in (hf_ds, gguf_ds))
-    assert hf_hp == pytest.approx(gguf_hp, rel=1e-6)  # GGUF stores floats as float32
+    assert_same_hparams(*(LlamaHParams.from_metadata(d.hparams) for d in (hf_ds, gguf_ds)))
     # every llama.* key of the GGUF import is there too (general.file_type/name describe the file)
     gguf_keys = {k for k in gguf_ds.hparams if k.startswith("llama.")}
     assert gguf_keys <= set(hf_ds.hparams)

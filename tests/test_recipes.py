@@ -33,7 +33,7 @@ from sharkport.formats.keys import HPARAMS
 from sharkport.models import RECIPES, build_model
 from sharkport.runtime.session import IreeSession
 from test_llama_tiny import BATCHES, PAGES, check_prefill_decode, eager_session, hf_logits, params, prompts_for
-from tiny_models import RECIPE_KINDS, TINY_EXPORT, WINDOW, TinyRecipes, exact_cache
+from tiny_models import RECIPE_KINDS, assert_same_hparams, TINY_EXPORT, WINDOW, TinyRecipes, exact_cache
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -143,7 +143,7 @@ def test_hparams_same_from_hf_and_gguf(recipe_irpa, kind):
         assert [hf_hp.is_sliding(i) for i in layers] == [gguf_hp.is_sliding(i) for i in layers]
         assert hf_hp.is_sliding(0) and not hf_hp.is_sliding(layers[-1])
         hf_hp, gguf_hp = (dataclasses.replace(h, sliding_window_pattern=0) for h in (hf_hp, gguf_hp))
-    assert dataclasses.asdict(hf_hp) == pytest.approx(dataclasses.asdict(gguf_hp), rel=1e-6)
+    assert_same_hparams(hf_hp, gguf_hp)
     assert hf_ds.metadata["tensors"].keys() == gguf_ds.metadata["tensors"].keys() - {"output.weight"} \
         if kind == "gpt2" else hf_ds.metadata["tensors"].keys() == gguf_ds.metadata["tensors"].keys()
     expected = {"mistral": ("sliding_window", WINDOW), "mixtral": ("expert_count", 4), "gemma3": ("head_dim", 256),

@@ -14,11 +14,13 @@ so each variant is built once per session:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
 import numpy as np
+import pytest
 import torch
 
 from sharkport.export.abi import ExportConfig
@@ -29,6 +31,18 @@ from sharkport.models import ModelConfig
 # 16-token pages, 64 pages, up to 256 positions.
 TINY_EXPORT = ExportConfig(bs_prefill=(1, 4), bs_decode=(1, 4), block_seq_stride=16,
                            device_block_count=64, max_seq_len=256)
+
+
+def assert_same_hparams(a, b, rel: float = 1e-6) -> None:
+    """Two hyperparameter dataclasses agree: floats to `rel` (GGUF stores them as float32), every
+    other field exactly."""
+    a, b = dataclasses.asdict(a), dataclasses.asdict(b)
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], float) or isinstance(b[key], float):
+            assert a[key] == pytest.approx(b[key], rel=rel), key
+        else:
+            assert a[key] == b[key], key
 
 
 def exact_cache(block_seq_stride: int = TINY_EXPORT.block_seq_stride, **fields) -> ModelConfig:
