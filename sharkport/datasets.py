@@ -7,7 +7,7 @@ fetched with `huggingface_hub` into the standard Hugging Face cache.
 Every tool that takes a model also takes `--hf-dataset NAME` (see sharkport/tools/_cli.py).
 Downloads go through `hf_hub_download` (progress bars, resumable, `HF_HOME` / `HF_HUB_CACHE`,
 `HF_ENDPOINT`); once fetched, `HF_HUB_OFFLINE=1` serves everything from the cache. The
-registry file is `datasets.yaml` at the repository root, or the file named by
+registry file is `datasets.yaml` in this package (installed with it), or the file named by
 `SHARKPORT_DATASETS`.
 """
 
@@ -70,7 +70,7 @@ class Fetched:
 
 def registry_path() -> Path:
     env = os.environ.get("SHARKPORT_DATASETS")
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "datasets.yaml"
+    return Path(env) if env else Path(__file__).resolve().parent / "datasets.yaml"
 
 
 def load_registry(path: str | os.PathLike | None = None) -> dict[str, RegisteredDataset]:

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from .errors import cli_main
-from .tools._cli import add_hf_dataset, add_verbose, hf_dataset_path
+from .tools._cli import add_archive_source, add_module_files, add_verbose, archive_path
 
 
 def add_generation_args(parser: argparse.ArgumentParser) -> None:
@@ -89,18 +89,15 @@ def main(argv: list[str] | None = None) -> int:
         description="Text generation with a compiled module (.vmfb), its parameters (.irpa) and the "
                     "service config JSON written by `python -m sharkport.export`. Greedy unless "
                     "--do-sample; prompts of any length are batched over the exported batch sizes.")
-    parser.add_argument("--vmfb", type=Path, required=True)
-    params = parser.add_mutually_exclusive_group(required=True)
-    params.add_argument("--irpa-file", type=Path, help="the parameter archive the module was exported from")
-    add_hf_dataset(params)
-    parser.add_argument("--config", type=Path, required=True, help="the JSON written by --output-config")
+    add_module_files(parser)
+    add_archive_source(parser)
     parser.add_argument("--device", help="IREE device (default local-task; for a tensor-parallel module N "
                                           "local-sync devices, or give N comma-separated URIs: docs/parallel.md)")
     parser.add_argument("--pages", type=int, help="KV cache pages to allocate (default: the config's device_block_count)")
     add_generation_args(parser)
     add_verbose(parser)
     args = parser.parse_args(argv)
-    args.irpa_file = args.irpa_file or hf_dataset_path(args.hf_dataset, "irpa")
+    args.irpa_file = archive_path(args)
 
     from .api import TextGenerator
 

@@ -226,13 +226,13 @@ def test_tensor_metadata_matches_torch():
 
 
 def test_dump_gguf_save_loads_neither_torch_nor_iree(mixed_gguf, tmp_path):
-    """`dump_gguf --save` imports without torch or IREE (about a second of start-up between
+    """`dump_gguf --output-irpa` imports without torch or IREE (about a second of start-up between
     them), and turbine reads what it wrote."""
     import subprocess
     import sys
 
     code = ("import sys; from sharkport.tools.dump_gguf import main; "
-            "assert main(['--gguf-file', sys.argv[1], '--save', sys.argv[2], '--quiet']) == 0; "
+            "assert main(['--gguf-file', sys.argv[1], '--output-irpa', sys.argv[2], '--quiet']) == 0; "
             "print(sorted(m for m in ('torch', 'iree.runtime', 'iree.turbine') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code, str(mixed_gguf), str(tmp_path / "x.irpa")],
                          capture_output=True, text=True, check=True).stdout

@@ -186,7 +186,7 @@ def test_dump_gguf_check_finds_nan_and_inf(tmp_path, capsys):
     assert poisoned == {"blk.0.attn_q.weight", "output_norm.weight", "token_embd.weight"}
 
     irpa = tmp_path / "nan.irpa"
-    assert dump_gguf.main(["--gguf-file", str(path), "--check", "--quiet", "--save", str(irpa)]) == 1
+    assert dump_gguf.main(["--gguf-file", str(path), "--check", "--quiet", "--output-irpa", str(irpa)]) == 1
     out = capsys.readouterr().out
     assert "blk.0.attn_q.weight:m holds 1 NaN/inf values" in out
     assert "output_norm.weight holds 1 NaN/inf values" in out

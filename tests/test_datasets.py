@@ -148,7 +148,7 @@ def test_fetch_downloads_then_uses_the_cache_then_works_offline(hub, tiny_hf_mod
     from sharkport.archive import Dataset
 
     out = tmp_path / "from_cache.irpa"
-    r = run(env, "sharkport.tools.import_hf", "--hf-dataset", "tiny-hf", "--save", str(out), offline=True)
+    r = run(env, "sharkport.tools.import_hf", "--hf-dataset", "tiny-hf", "--output-irpa", str(out), offline=True)
     assert r.returncode == 0, r.stderr
     r = run(env, "sharkport.tools.dump_gguf", "--hf-dataset", "tiny-gguf", "--json", offline=True)
     assert r.returncode == 0, r.stderr
@@ -197,7 +197,7 @@ def test_offline_without_cache_is_one_line_error(hub):
 
 def test_unknown_dataset_lists_known_ones(hub):
     _, env, _ = hub
-    r = run(env, "sharkport.tools.import_hf", "--hf-dataset", "nope", "--save", "x.irpa")
+    r = run(env, "sharkport.tools.import_hf", "--hf-dataset", "nope", "--output-irpa", "x.irpa")
     assert r.returncode == 2 and r.stderr.count("\n") == 1
     assert "unknown dataset 'nope'" in r.stderr and "tiny-gguf" in r.stderr and "tiny-hf" in r.stderr
 
@@ -217,9 +217,9 @@ def test_list_shows_every_dataset(hub, capsys, monkeypatch):
 
 
 def test_repository_registry_is_valid():
-    """datasets.yaml at the repository root parses, names what the project promises, and every
+    """The packaged datasets.yaml parses, names what the project promises, and every
     entry has a gguf or a config + safetensors pair."""
-    registry = datasets.load_registry(Path(__file__).parent.parent / "datasets.yaml")
+    registry = datasets.load_registry(Path(datasets.__file__).parent / "datasets.yaml")
     names = {d.name for d in registry.values()}
     for expected in ("open_llama_3b_v2_f16_gguf", "open_llama_3b_v2_q8_0_gguf", "open_llama_3b_v2_q4_1_gguf",
                      "mistral_7b_q4_k_m_gguf", "mistral_7b_q8_0_gguf", "mixtral_8x7b_q8_0_gguf",

@@ -1,4 +1,4 @@
-"""dump_gguf's tensor options, run as users run them: --dump-tensor-dir values against
+"""dump_gguf's tensor options, run as users run them: --output-npy-dir values against
 gguf.quants, --num-blocks against transformers with the same layers cut, --tensor-regex, and
 the real Gemma-3-270M Q4_K_M file (Q4_K, Q6_K, Q5_0, Q8_0) imported whole."""
 
@@ -62,14 +62,14 @@ def check_dump(reader: gguf.GGUFReader, out_dir, names) -> None:
 
 def test_dump_tensor_dir_every_type(every_type_gguf, tmp_path):
     out = tmp_path / "dump"
-    dump_gguf("--gguf-file", str(every_type_gguf), "--dump-tensor-dir", str(out), "--quiet")
+    dump_gguf("--gguf-file", str(every_type_gguf), "--output-npy-dir", str(out), "--quiet")
     check_dump(gguf.GGUFReader(every_type_gguf), out, [f"t.{t.lower()}" for t in TYPES])
 
 
 def test_tensor_regex_selects_report_and_dump(every_type_gguf, tmp_path):
     out = tmp_path / "dump"
     proc = dump_gguf("--gguf-file", str(every_type_gguf), "--tensor-regex", r"_k$", "--json",
-                     "--dump-tensor-dir", str(out))
+                     "--output-npy-dir", str(out))
     names = sorted(t["name"] for t in json.loads(proc.stdout)["tensors"])
     assert names == ["t.q2_k", "t.q3_k", "t.q4_k", "t.q5_k", "t.q6_k"]
     check_dump(gguf.GGUFReader(every_type_gguf), out, names)
@@ -82,7 +82,7 @@ def test_tensor_regex_selects_report_and_dump(every_type_gguf, tmp_path):
 ])
 def test_selection_errors(tmp_path, args, needle):
     path = write_gguf(tmp_path / "x.gguf", {"t": ("F32", (4,), np.zeros(4, np.float32))})
-    proc = dump_gguf("--gguf-file", str(path), *args, "--dump-tensor-dir", str(tmp_path / "d"), rc=2)
+    proc = dump_gguf("--gguf-file", str(path), *args, "--output-npy-dir", str(tmp_path / "d"), rc=2)
     assert needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "d").exists()
 
@@ -98,7 +98,7 @@ def test_num_blocks_matches_transformers_with_the_same_layers(tiny, tmp_path):
 
     m = tiny["gqa-untied"]
     irpa = tmp_path / "cut.irpa"
-    proc = dump_gguf("--gguf-file", str(m.gguf_path), "--num-blocks", "1", "--save", str(irpa), "--json")
+    proc = dump_gguf("--gguf-file", str(m.gguf_path), "--num-blocks", "1", "--output-irpa", str(irpa), "--json")
     report = json.loads(proc.stdout)
     assert report["metadata"]["llama.block_count"] == 1
     assert not any(t["name"].startswith("blk.1.") for t in report["tensors"])
@@ -141,8 +141,8 @@ def test_gemma3_q4_k_m_imports_every_tensor(gemma3_gguf, tmp_path):
     irpa, dump = tmp_path / "gemma3.irpa", tmp_path / "dump"
     # blk.0 holds every type the file uses: Q5_0, Q8_0, Q4_K, Q6_K and F32 (token_embd is Q8_0
     # too, and 262144 x 640 floats, so it is left out of the dump).
-    proc = dump_gguf("--gguf-file", str(gemma3_gguf), "--save", str(irpa), "--json",
-                     "--tensor-regex", r"^blk\.0\.", "--dump-tensor-dir", str(dump))
+    proc = dump_gguf("--gguf-file", str(gemma3_gguf), "--output-irpa", str(irpa), "--json",
+                     "--tensor-regex", r"^blk\.0\.", "--output-npy-dir", str(dump))
     dumped = [t["name"] for t in json.loads(proc.stdout)["tensors"]]
     reader = gguf.GGUFReader(gemma3_gguf)  # parsing its 262144-token vocabulary is slow: once
     check_dump(reader, dump, dumped)

@@ -22,7 +22,7 @@ def test_commands_reproduce_the_runner(smollm2_compiled, tmp_path, capsys):
     vmfb, irpa, config = smollm2_compiled
     out_dir = tmp_path / "dump"
     assert dump_inputs.main(["--vmfb", str(vmfb), "--irpa-file", str(irpa), "--config", str(config),
-                             "--prompt", PROMPT, "--output-dir", str(out_dir)]) == 0
+                             "--prompt", PROMPT, "--output-npy-dir", str(out_dir)]) == 0
     printed = capsys.readouterr().out
     commands = [shlex.split(line) for line in printed.splitlines() if line.startswith("iree-run-module ")]
     assert [c[4] for c in commands] == ["--function=prefill_bs1", "--function=decode_bs1"]
@@ -53,7 +53,7 @@ def test_missing_module_is_a_one_line_error(tmp_path):
     config = tmp_path / "x.json"
     config.write_text("{}")
     proc = run("--irpa-file", str(tmp_path / "x.irpa"), "--config", str(config), "--prompt", "hi",
-               "--output-dir", str(tmp_path / "d"))
+               "--output-npy-dir", str(tmp_path / "d"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [f"error: {tmp_path / 'x.vmfb'}: no such file; pass the "
                                                 "compiled module with --vmfb"]

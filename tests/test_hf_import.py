@@ -99,7 +99,7 @@ def test_tensors_are_the_hf_weights_renamed(tiny, hf_irpa, layout):
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float16, id="f16"), pytest.param(torch.bfloat16, id="bf16")])
 def test_dtype_converts_matrices_keeps_vectors_f32(tiny, tmp_path, dtype):
     m = tiny["mha-bias"]
-    import_hf_cli.main(["--model-dir", str(m.hf_dir), "--save", str(tmp_path / "x.irpa"),
+    import_hf_cli.main(["--model-dir", str(m.hf_dir), "--output-irpa", str(tmp_path / "x.irpa"),
                         "--dtype", str(dtype).removeprefix("torch.")])
     ds = Dataset.load(tmp_path / "x.irpa")
     from sharkport.formats.names import hf_to_gguf_name
@@ -246,7 +246,7 @@ def check_import_refused(model_dir, tmp_path, capsys, message: str) -> None:
     """`tools.import_hf` on `model_dir` exits 2 with one line matching `message` and writes nothing."""
     capsys.readouterr()
     out = tmp_path / "x.irpa"
-    assert import_hf_cli.main(["--model-dir", str(model_dir), "--save", str(out)]) == 2
+    assert import_hf_cli.main(["--model-dir", str(model_dir), "--output-irpa", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err
     assert re.search(message, err), err
@@ -257,7 +257,7 @@ def test_import_hf_help_names_the_flags(capsys):
     with pytest.raises(SystemExit):
         import_hf_cli.main(["--help"])
     out = capsys.readouterr().out
-    for flag in ("--model-dir", "--hf-dataset", "--save", "--dtype"):
+    for flag in ("--model-dir", "--hf-dataset", "--output-irpa", "--dtype"):
         assert flag in out
 
 

@@ -177,7 +177,7 @@ def test_missing_required_key_is_named(tmp_path):
 def test_cli_prints_one_line_and_exits_2(seed, tmp_path, capsys):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(overwrite("tokenizer.ggml.tokens count", 2**61)(seed, bytearray(seed.read_bytes())))
-    assert dump_gguf.main(["--gguf-file", str(bad), "--save", str(tmp_path / "x.irpa")]) == 2
+    assert dump_gguf.main(["--gguf-file", str(bad), "--output-irpa", str(tmp_path / "x.irpa")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"error: {bad}: at offset ") and "Traceback" not in err
     assert not (tmp_path / "x.irpa").exists()

@@ -450,7 +450,7 @@ def quantized_tiny(tiny, tmp_path_factory):
             (out / "gguf").mkdir()
             irpa, gguf_path = out / "q.irpa", out / "gguf" / "q.gguf"
             run("sharkport.tools.quantize", "--gguf-file", str(tiny["gqa-untied"].gguf_path), "--type", type_name,
-                "--save", str(irpa), "--output-gguf", str(gguf_path))
+                "--output-irpa", str(irpa), "--output-gguf", str(gguf_path))
             made[type_name] = gguf_path, irpa
         return made[type_name]
 

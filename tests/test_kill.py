@@ -106,7 +106,7 @@ def test_to_gguf_killed_before_publishing(irpa_of, tmp_path, previous):
     if previous is not None:
         out.write_bytes(previous)
     proc = _run_killed_at("model.gguf", "sharkport.tools.to_gguf",
-                          "--irpa-file", str(irpa_of("gqa-untied")), "--output", str(out))
+                          "--irpa-file", str(irpa_of("gqa-untied")), "--output-gguf", str(out))
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert (out.read_bytes() if out.exists() else None) == previous
     assert [p for p in tmp_path.glob(".model.gguf.*")], "the child was killed with its temporary file"

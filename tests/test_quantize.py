@@ -60,7 +60,7 @@ def _archive_bytes(w: QuantizedTensor) -> bytes:
 def test_bytes_equal_gguf_quants_from_f16(f16_model, tmp_path, type_name):
     _, irpa, source = f16_model
     out_irpa, out_gguf = tmp_path / "q.irpa", tmp_path / "q.gguf"
-    proc = quantize("--irpa-file", str(irpa), "--type", type_name.lower(), "--save", str(out_irpa),
+    proc = quantize("--irpa-file", str(irpa), "--type", type_name.lower(), "--output-irpa", str(out_irpa),
                     "--output-gguf", str(out_gguf))
     assert f"2 {type_name.lower()}" in proc.stderr
 
@@ -82,7 +82,7 @@ def test_type_map_first_match_wins(f16_model, tmp_path):
     _, irpa, _ = f16_model
     out = tmp_path / "q.irpa"
     quantize("--irpa-file", str(irpa), "--type", "q4_0", "--type-map", r"ffn_down=q8_0",
-             "--type-map", r"blk\.0\.=bf16", "--save", str(out))
+             "--type-map", r"blk\.0\.=bf16", "--output-irpa", str(out))
     types = {n: layout["type"] for n, layout in Dataset.load(out).metadata["tensors"].items()}
     assert types == {"blk.0.attn_q.weight": "BF16", "blk.0.ffn_down.weight": "Q8_0",
                      "blk.0.odd.weight": "BF16", "blk.0.attn_norm.weight": "BF16"}
@@ -97,7 +97,7 @@ def test_type_map_first_match_wins(f16_model, tmp_path):
 ])
 def test_bad_flags(f16_model, tmp_path, args, needle):
     _, irpa, _ = f16_model
-    proc = quantize("--irpa-file", str(irpa), *args, "--save", str(tmp_path / "q.irpa"), rc=2)
+    proc = quantize("--irpa-file", str(irpa), *args, "--output-irpa", str(tmp_path / "q.irpa"), rc=2)
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], proc.stderr
     assert not (tmp_path / "q.irpa").exists()
@@ -105,7 +105,7 @@ def test_bad_flags(f16_model, tmp_path, args, needle):
 
 def test_nothing_to_write(f16_model):
     proc = quantize("--irpa-file", str(f16_model[1]), "--type", "q8_0", rc=2)
-    assert "--save" in proc.stderr and "--output-gguf" in proc.stderr
+    assert "--output-irpa" in proc.stderr and "--output-gguf" in proc.stderr
 
 
 @pytest.mark.parametrize("type_name", ["q8_0", "q5_1"])
@@ -122,7 +122,7 @@ def test_quantized_tiny_llama_in_transformers(tiny, type_name, tmp_path):
     m = tiny["gqa-tied"]
     (tmp_path / "gguf").mkdir()
     out_irpa, out_gguf = tmp_path / "q.irpa", tmp_path / "gguf" / "q.gguf"
-    quantize("--gguf-file", str(m.gguf_path), "--type", type_name, "--save", str(out_irpa),
+    quantize("--gguf-file", str(m.gguf_path), "--type", type_name, "--output-irpa", str(out_irpa),
              "--output-gguf", str(out_gguf))
     ds = Dataset.load(out_irpa)
     assert ds.metadata["tensors"]["blk.0.attn_q.weight"]["type"] == type_name.upper()

@@ -2,6 +2,9 @@
 Q4_1 + Q8_0 + F32) against transformers reading the same GGUF (iree-run-module: test_dump_inputs.py)."""
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -100,3 +103,15 @@ def test_teacher_forced_top1_agreement(session, smollm2_hf, hf_continuations):
         total += len(ids)
     assert total > 200
     assert agree / total >= 0.99, f"top-1 agreement {agree}/{total}"
+
+
+def test_quickstart_runs_clean(tmp_path):
+    """README's first command after the install: text, and not one warning on the way."""
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(repo / "tools" / "quickstart.py"), "--work-dir", str(tmp_path),
+                           "--prompt", "The capital of France is", "--max-new-tokens", "8"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    output = proc.stdout + proc.stderr
+    assert "Paris" in proc.stdout
+    assert "warning" not in output.lower(), output

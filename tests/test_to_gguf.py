@@ -31,7 +31,7 @@ def tensors_of(path: Path) -> dict[str, gguf.ReaderTensor]:
 
 
 def convert(source: Path, out: Path) -> Path:
-    assert to_gguf.main(["--irpa-file", str(source), "--output", str(out)]) == 0
+    assert to_gguf.main(["--irpa-file", str(source), "--output-gguf", str(out)]) == 0
     return out
 
 
@@ -77,7 +77,7 @@ def test_model_dir_source_matches_archive_source(tiny, tmp_path):
     m = tiny["gqa-tied"]
     import_hf(m.hf_dir, tmp_path / "x.irpa", progress=False)
     a = convert(tmp_path / "x.irpa", tmp_path / "a.gguf")
-    assert to_gguf.main(["--model-dir", str(m.hf_dir), "--output", str(tmp_path / "b.gguf")]) == 0
+    assert to_gguf.main(["--model-dir", str(m.hf_dir), "--output-gguf", str(tmp_path / "b.gguf")]) == 0
     ta, tb = tensors_of(a), tensors_of(tmp_path / "b.gguf")
     assert ta.keys() == tb.keys()
     for name in ta:
@@ -108,8 +108,8 @@ def test_quantized_archive_keeps_blocks_and_tokenizer(smollm2_gguf, smollm2_irpa
 
 def test_refuses_to_overwrite_input_and_reports_missing_file(irpa_of, tmp_path, capsys):
     irpa = irpa_of("mha-tied")
-    assert to_gguf.main(["--irpa-file", str(tmp_path / "nope.irpa"), "--output", str(tmp_path / "x.gguf")]) == 2
+    assert to_gguf.main(["--irpa-file", str(tmp_path / "nope.irpa"), "--output-gguf", str(tmp_path / "x.gguf")]) == 2
     assert "nope.irpa" in capsys.readouterr().err
-    assert to_gguf.main(["--irpa-file", str(irpa), "--output", str(irpa)]) == 2
+    assert to_gguf.main(["--irpa-file", str(irpa), "--output-gguf", str(irpa)]) == 2
     assert "refusing to overwrite" in capsys.readouterr().err
     assert not (tmp_path / "x.gguf").exists()

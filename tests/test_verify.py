@@ -19,7 +19,7 @@ def run_verify(compiled, hf_dir, capsys):
     vmfb, irpa, config = compiled
     status = verify.main(["--vmfb", str(vmfb), "--irpa-file", str(irpa), "--config", str(config),
                           "--token-ids", token_ids(5, 0), "--token-ids", token_ids(40, 1),
-                          "--hf-model", str(hf_dir), "--max-new-tokens", "6"])
+                          "--model-dir", str(hf_dir), "--max-new-tokens", "6"])
     out = capsys.readouterr().out
     rows = {m[1]: (int(m[2]), float(m[3]), int(m[4]), m[5])
             for m in re.finditer(r"^(\w+ vs \w+)\s+(\d+)\s+(\S+)\s+(\d+)/\d+\s+\(.*\)\s+(PASS|FAIL)$", out, re.M)}

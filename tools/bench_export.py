@@ -8,7 +8,7 @@ sizes 1 and 4, stride 32, final-logits prefill, matvec kernels), optionally unde
 Without --irpa it imports the packaged SmolLM2-135M Q4_1 GGUF into a temporary .irpa first
 (not timed). Prints one line per run: seconds and torch ops in the module. A 4-layer cut for
 fast iteration: `python -m sharkport.tools.dump_gguf --gguf-file <gguf> --num-blocks 4
---save cut4.irpa`.
+--output-irpa cut4.irpa`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 #!/usr/bin/env python
-"""Import throughput and peak memory of `dump_gguf --save` on big GGUF files:
+"""Import throughput and peak memory of `dump_gguf --output-irpa` on big GGUF files:
 
     python tools/bench_import.py [--work-dir artifacts/bench_import] [--layers 22] [--types F16,Q8_0]
         [--repeat 5] [--baseline REV] [--overwrite]
 
 Writes (once, then reuses) a random-weight llama of TinyLlama-1.1B's shape (hidden 2048, ffn 5632,
 32 heads / 4 kv heads, vocab 32000, 22 layers: 1.1B parameters) as one GGUF per type, streamed
-through gguf.GGUFWriter; then runs `python -m sharkport.tools.dump_gguf --gguf-file X --save Y
+through gguf.GGUFWriter; then runs `python -m sharkport.tools.dump_gguf --gguf-file X --output-irpa Y
 --quiet` in a fresh process per import and reports the issue's numbers: GB/s of GGUF imported
 (the whole command's wall time, interpreter start-up included) and the process's peak RSS
 (VmHWM) minus the largest tensor. With `--baseline REV` (a git revision), the sharkport of REV
@@ -107,7 +107,7 @@ def measure(gguf_path: Path, irpa: Path, pythonpath: str = str(REPO), keep: bool
     (big, after writing the GGUFs) process would report the parent's peak."""
     code = (
         "import runpy, sys\n"
-        f"sys.argv = ['dump_gguf', '--gguf-file', {str(gguf_path)!r}, '--save', {str(irpa)!r}, '--quiet']\n"
+        f"sys.argv = ['dump_gguf', '--gguf-file', {str(gguf_path)!r}, '--output-irpa', {str(irpa)!r}, '--quiet']\n"
         "try:\n    runpy.run_module('sharkport.tools.dump_gguf', run_name='__main__')\n"
         "except SystemExit as e:\n    assert not e.code, e.code\n"
         "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')))\n"

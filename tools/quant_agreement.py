@@ -53,7 +53,7 @@ def run_type(type_name: str, source: Path, work: Path) -> dict:
     t0 = time.perf_counter()
     if not (irpa.exists() and gguf_path.exists()):
         subprocess.run([sys.executable, "-m", "sharkport.tools.quantize", "--gguf-file", str(source),
-                        "--type", type_name, "--save", str(irpa), "--output-gguf", str(gguf_path)], check=True)
+                        "--type", type_name, "--output-irpa", str(irpa), "--output-gguf", str(gguf_path)], check=True)
     times["quantize"] = time.perf_counter() - t0
 
     vmfb, config = work / "model.vmfb", work / "model.json"

@@ -5,33 +5,31 @@
     python tools/quickstart.py [--work-dir artifacts/smollm2] [--prompt ...] [--force]
 
 Artifacts are kept in --work-dir; a rerun reuses those that exist (pass --force to rebuild).
-Each step prints the command-line equivalent, so it can be repeated by hand.
+Each step prints its `sharkport` command line, so it can be repeated by hand.
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 from pathlib import Path
 
-from sharkport import run
+from sharkport import cli, kernels
 from sharkport.errors import cli_main
-from sharkport import kernels
-from sharkport.export import __main__ as export_cli
 from sharkport.packaged import packaged_gguf
-from sharkport.tools import dump_gguf
 
 DEFAULT_PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
 
-def step(title: str, module: str, argv: list[str], main, output: Path, force: bool) -> None:
-    print(f"\n== {title}\n$ python -m {module} {' '.join(argv)}", flush=True)
+def step(title: str, argv: list[str], output: Path, force: bool) -> None:
+    print(f"\n== {title}\n$ sharkport {shlex.join(argv)}", flush=True)
     if output.exists() and not force:
         print(f"(reusing {output}; --force rebuilds)")
         return
     t0 = time.perf_counter()
-    if main(argv) != 0:
+    if cli.main(argv) != 0:
         raise SystemExit(2)
     print(f"[{title}: {time.perf_counter() - t0:.1f} s]")
 
@@ -43,28 +41,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", action="append", help="prompt(s) to complete")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--force", action="store_true", help="rebuild artifacts that exist")
-    parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     args = parser.parse_args(argv)
 
     gguf = packaged_gguf("smollm2")
     w = args.work_dir
     irpa, mlir, config, vmfb = (w / f"smollm2.{ext}" for ext in ("irpa", "mlir", "json", "vmfb"))
     t0 = time.perf_counter()
-    step("import", "sharkport.tools.dump_gguf", ["--gguf-file", str(gguf), "--save", str(irpa), "--quiet"],
-         dump_gguf.main, irpa, args.force)
-    step("export + compile", "sharkport.export",
-         ["--irpa-file", str(irpa), "--output-mlir", str(mlir), "--output-config", str(config),
+    step("import", ["import", "--gguf-file", str(gguf), "--output-irpa", str(irpa)], irpa, args.force)
+    step("export + compile",
+         ["export", "--irpa-file", str(irpa), "--output-mlir", str(mlir), "--output-config", str(config),
           "--output-vmfb", str(vmfb), "--bs-prefill", "1", "--bs-decode", "1",
           "--max-seq-len", "2048", "--device-block-count", "64"]
          + (["--matvec-kernels"] if kernels.available() else []),  # decode reads weights as stored
-         export_cli.main, vmfb, args.force or not config.exists())
-    prompts = args.prompt or DEFAULT_PROMPTS
-    run_argv = ["--vmfb", str(vmfb), "--irpa-file", str(irpa), "--config", str(config),
+         vmfb, args.force or not config.exists())
+    run_argv = ["run", "--vmfb", str(vmfb), "--irpa-file", str(irpa), "--config", str(config),
                 "--max-new-tokens", str(args.max_new_tokens)]
-    for p in prompts:
+    for p in args.prompt or DEFAULT_PROMPTS:
         run_argv += ["--prompt", p]
-    print(f"\n== generate\n$ python -m sharkport.run {' '.join(map(repr, run_argv))}", flush=True)
-    status = run.main(run_argv)
+    print(f"\n== generate\n$ sharkport {shlex.join(run_argv)}", flush=True)
+    status = cli.main(run_argv)
     print(f"\n[total: {time.perf_counter() - t0:.1f} s]")
     return status
 

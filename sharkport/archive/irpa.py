@@ -105,7 +105,7 @@ def read_archive(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Wei
 
     path = Path(path)
     if not path.is_file():
-        raise SharkportError(f"{path}: no such file; pass an .irpa made by `sharkport.tools.dump_gguf --save`")
+        raise SharkportError(f"{path}: no such file; pass an .irpa made by `sharkport.tools.dump_gguf --output-irpa`")
     try:
         archive = ParameterArchive(path, mmap=True)
         entries = dict(archive.items())
@@ -114,7 +114,7 @@ def read_archive(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Wei
     if METADATA_KEY not in entries:
         raise SharkportError(
             f"{path}: has no {METADATA_KEY} entry, so it was not written by sharkport; "
-            "re-import the model with `python -m sharkport.tools.dump_gguf --save`"
+            "re-import the model with `python -m sharkport.tools.dump_gguf --output-irpa`"
         )
     metadata = json.loads(bytes(np.asarray(entries[METADATA_KEY].raw.file_view)))
 

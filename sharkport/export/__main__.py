@@ -11,7 +11,6 @@ from pathlib import Path
 from ..compile import TARGETS
 from ..errors import SharkportError, cli_main
 from ..tools._cli import add_model_source, add_verbose, batch_sizes, load_dataset
-from .abi import DTYPE_NAMES
 
 
 def _log(msg: str) -> None:
@@ -49,10 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-irpa", type=Path, metavar="x.irpa",
                         help="with --tensor-parallelism-size N > 1: the root archive to write; rank r's "
                              "weights go to x.rank{r}.irpa beside it")
-    parser.add_argument("--activation-dtype", choices=DTYPE_NAMES, default="float32",
-                        help="dtype of activations (default float32, the tested one; float16 modules "
-                             "compile but crash at run time on llvm-cpu with IREE 3.9, bfloat16 is "
-                             "untested: docs/performance.md)")
+    parser.add_argument("--activation-dtype", choices=["float32"], default="float32",
+                        help="dtype of activations: float32 (float16 and bfloat16 are not offered: "
+                             "their llvm-cpu modules exceed the stack limit and crash at run time with IREE 3.9)")
     parser.add_argument("--kv-cache-dtype", choices=["float32", "float16"], default="float16",
                         help="element type of the KV cache (cache_state; default float16, as llama.cpp's "
                              "default cache: K and V rounded to float16). float32 keeps them exact at twice the "

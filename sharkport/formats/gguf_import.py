@@ -1,4 +1,4 @@
-"""GGUF → parameter archive (.irpa), without torch or IREE (so `dump_gguf --save` starts in a
+"""GGUF → parameter archive (.irpa), without torch or IREE (so `dump_gguf --output-irpa` starts in a
 fraction of a second): plain tensors are copied in the kernel from the GGUF's file ranges,
 quantized ones split into their planes a bounded chunk of blocks at a time, straight into their
 place in the archive. `sharkport.archive` re-exports `import_gguf` and `gguf_archive_metadata`."""
@@ -64,7 +64,7 @@ def import_gguf(gguf_file: str | os.PathLike | GgufFile, irpa_path: str | os.Pat
     gg = gguf_file if isinstance(gguf_file, GgufFile) else read_gguf(gguf_file)
     irpa_path = Path(irpa_path)
     if irpa_path.exists() and irpa_path.resolve() == gg.path.resolve():
-        raise SharkportError(f"{irpa_path}: refusing to overwrite the input file; choose another --save path")
+        raise SharkportError(f"{irpa_path}: refusing to overwrite the input file; choose another --output-irpa path")
     metadata = gguf_archive_metadata(gg)
     blob = json.dumps(metadata).encode()
 

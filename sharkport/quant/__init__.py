@@ -110,6 +110,6 @@ def check_supported(type_name: str, where: str) -> None:
     if type_name not in PLAIN_TYPES and type_name not in BLOCK_TYPES:
         raise SharkportError(
             f"{where} has ggml type {type_name}, which sharkport cannot import yet "
-            f"(supported: {', '.join(SUPPORTED_TYPES)}); requantize it, e.g. with "
-            "`python -m gguf ...`/llama-quantize, to a supported type"
+            f"(supported: {', '.join(SUPPORTED_TYPES)}); requantize the file to a supported type "
+            "with llama.cpp, e.g. `llama-quantize --allow-requantize IN.gguf OUT.gguf Q4_K_M`"
         )

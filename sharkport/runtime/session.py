@@ -132,7 +132,7 @@ def _embedding_rows(index, irpa) -> int:
     except (KeyError, IndexError, TypeError, ValueError):
         raise SharkportError(
             f"{irpa}: no token_embd.weight in the archive metadata, so the vocabulary size is "
-            "unknown; re-import the model with `python -m sharkport.tools.dump_gguf --save`") from None
+            "unknown; re-import the model with `python -m sharkport.tools.dump_gguf --output-irpa`") from None
 
 
 class IreeSession(Session):

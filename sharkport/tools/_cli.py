@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from ..errors import SharkportError
 
 
-def add_model_source(parser: argparse.ArgumentParser, required: bool = True, hf_dataset: bool = True) -> None:
+def add_model_source(parser: argparse.ArgumentParser, required: bool = True) -> None:
     """--gguf-file | --irpa-file | --hf-dataset (read them back with `model_path`)."""
     src = parser.add_mutually_exclusive_group(required=required)
     src.add_argument("--gguf-file", type=Path, help="a GGUF model file (converted in memory)")
-    src.add_argument("--irpa-file", type=Path, help="a parameter archive made by dump_gguf --save or import_hf")
-    if hf_dataset:
-        add_hf_dataset(src)
+    src.add_argument("--irpa-file", type=Path, help="a parameter archive made by dump_gguf --output-irpa or import_hf")
+    add_hf_dataset(src)
 
 
 def model_path(args: argparse.Namespace) -> Path | None:
@@ -22,6 +22,28 @@ def model_path(args: argparse.Namespace) -> Path | None:
     if getattr(args, "hf_dataset", None):
         return hf_dataset_path(args.hf_dataset)
     return args.gguf_file or args.irpa_file
+
+
+def add_archive_source(parser: argparse.ArgumentParser) -> None:
+    """--irpa-file | --hf-dataset, for tools that run a compiled module over its parameters (read
+    them back with `archive_path`)."""
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--irpa-file", type=Path, help="the parameter archive the module was exported from")
+    add_hf_dataset(src)
+
+
+def archive_path(args: argparse.Namespace) -> Path:
+    """The archive named by add_archive_source's flags (a dataset's is imported once, cached)."""
+    return args.irpa_file or hf_dataset_path(args.hf_dataset, "irpa")
+
+
+def add_module_files(parser: argparse.ArgumentParser, vmfb_required: bool = True) -> None:
+    """--vmfb and --config: a compiled module and the service config exported with it."""
+    parser.add_argument("--vmfb", type=Path, required=vmfb_required,
+                        help="the compiled module (written by the export's --output-vmfb)"
+                             + ("" if vmfb_required else "; default: --config with suffix .vmfb"))
+    parser.add_argument("--config", type=Path, required=True,
+                        help="the service config JSON (written by the export's --output-config)")
 
 
 def add_hf_dataset(group) -> None:
@@ -47,6 +69,19 @@ def hf_dataset_path(name: str, kind: str = "model") -> Path:
             f"use `python -m sharkport.tools.{other} --hf-dataset {name}` instead"
         )
     return fetched.model_path
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None,
+               renamed: dict[str, str]) -> argparse.Namespace:
+    """parser.parse_args, with the flags' older names (`renamed`: old → new) still accepted but
+    left out of --help."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    end = args.index("--") if "--" in args else len(args)
+    for i, arg in enumerate(args[:end]):
+        flag, eq, value = arg.partition("=")
+        if flag in renamed:
+            args[i] = renamed[flag] + eq + value
+    return parser.parse_args(args)
 
 
 def add_verbose(parser: argparse.ArgumentParser) -> None:

@@ -32,7 +32,7 @@ from ..formats.gguf import GgufFile, read_gguf
 from ..formats.keys import HPARAMS, LLAMA_KEYS, LlamaHParams
 from ..formats.names import LLAMA_NAMES
 from ..quant import BLOCK_TYPES, PLAIN_TYPES, SUPPORTED_TYPES
-from ._cli import add_model_source, add_verbose
+from ._cli import add_model_source, add_verbose, hf_dataset_path
 
 # Shape of every llama tensor (numpy order), keyed by its GGUF name template in LLAMA_NAMES.
 # E embedding, F feed-forward, V vocabulary, H heads, Hkv kv heads, D head dim.
@@ -247,14 +247,14 @@ def check_archive(path: str | Path, values: bool = False) -> tuple[list[str], li
 
     path = Path(path)
     if not path.is_file():
-        raise SharkportError(f"{path}: no such file; pass an .irpa made by `sharkport.tools.dump_gguf --save`")
+        raise SharkportError(f"{path}: no such file; pass an .irpa made by `sharkport.tools.dump_gguf --output-irpa`")
     try:
         entries = dict(ParameterArchive(path, mmap=True).items())
     except Exception as e:
         raise SharkportError(f"{path}: not a readable parameter archive ({e}); re-create it") from None
     if METADATA_KEY not in entries:
         raise SharkportError(f"{path}: has no {METADATA_KEY} entry, so sharkport did not write it; "
-                             "re-import the model with `python -m sharkport.tools.dump_gguf --save`")
+                             "re-import the model with `python -m sharkport.tools.dump_gguf --output-irpa`")
     try:
         metadata = json.loads(bytes(np.asarray(entries[METADATA_KEY].raw.file_view)))
         layouts, hparams = metadata["tensors"], metadata["hparams"]
@@ -310,11 +310,14 @@ def main(argv: list[str] | None = None) -> int:
         description="Check that a model's metadata and tensors agree (expected tensors present, "
                     "shapes, quantized planes, entry sizes, coherent hyperparameters). Prints every "
                     "problem, one per line; exit 1 if any, 2 if the file cannot be read.")
-    add_model_source(parser, hf_dataset=False)
+    add_model_source(parser)
     parser.add_argument("--values", action="store_true",
                         help="also scan values and quantization scales for NaN/inf (reads every byte)")
     add_verbose(parser)
     args = parser.parse_args(argv)
+    if args.hf_dataset:  # its GGUF file, or the archive imported from its checkpoint
+        path = hf_dataset_path(args.hf_dataset)
+        args.gguf_file, args.irpa_file = (path, None) if path.is_file() else (None, hf_dataset_path(args.hf_dataset, "irpa"))
     if args.irpa_file:
         problems, notes = check_archive(args.irpa_file, values=args.values)
     else:

@@ -2,7 +2,7 @@
 .npy files, and the iree-run-module command lines that replay them.
 
     python -m sharkport.tools.dump_inputs --irpa-file x.irpa --config x.json [--vmfb x.vmfb] \\
-        --prompt "The capital of France is" --output-dir D
+        --prompt "The capital of France is" --output-npy-dir D
 
 The calls are the runner's own (`python -m sharkport.run`, greedy): the same batch size, page
 table and padding. The decode call's cache_state is the cache after the prefill, and its token
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import SharkportError, cli_main
-from ._cli import add_verbose
+from ._cli import add_archive_source, add_module_files, add_verbose, archive_path, parse_args
 
 
 @dataclass(frozen=True)
@@ -112,19 +112,20 @@ def main(argv: list[str] | None = None) -> int:
         description="Write the .npy inputs of a prompt's prefill and first decode call (the decode "
                     "cache_state is the cache after prefill), the runner's logits for each, and print "
                     "the iree-run-module command lines that replay the calls.")
-    parser.add_argument("--irpa-file", type=Path, required=True)
-    parser.add_argument("--config", type=Path, required=True, help="the JSON written by --output-config")
-    parser.add_argument("--vmfb", type=Path, help="the compiled module (default: --config with suffix .vmfb)")
+    add_module_files(parser, vmfb_required=False)
+    add_archive_source(parser)
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="prompt text, encoded with the archive's tokenizer")
     what.add_argument("--token-ids", help="the prompt as comma-separated token ids, e.g. 1,450,7")
     parser.add_argument("--chat", action="store_true", help="format --prompt with the archive's chat template")
-    parser.add_argument("--output-dir", type=Path, required=True)
+    parser.add_argument("--output-npy-dir", type=Path, required=True, metavar="DIR",
+                        help="where to write each call's inputs, the runner's outputs and commands.sh")
     parser.add_argument("--device", default="local-task", help="IREE device (default local-task)")
     parser.add_argument("--pages", type=int,
                         help="cache pages in the dumped cache_state (default: just enough for the prompt)")
     add_verbose(parser)
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv, {"--output-dir": "--output-npy-dir"})
+    args.irpa_file = archive_path(args)
     vmfb = args.vmfb or args.config.with_suffix(".vmfb")
     if not vmfb.is_file():
         raise SharkportError(f"{vmfb}: no such file; pass the compiled module with --vmfb")
@@ -149,10 +150,10 @@ def main(argv: list[str] | None = None) -> int:
         ids = encode_prompt(Dataset.load(args.irpa_file).tokenizer(), args.prompt, args.chat)
     pages = args.pages or math.ceil((len(ids) + 1) / stride) + 1  # + the scratch page
     session = IreeSession(vmfb, args.irpa_file, config, pages=max(pages, 2), device=args.device)
-    calls = dump_inputs(session, ids, args.output_dir, vmfb, args.irpa_file, args.device)
+    calls = dump_inputs(session, ids, args.output_npy_dir, vmfb, args.irpa_file, args.device)
 
     print(f"prompt: {len(ids)} tokens {ids}")
-    script = args.output_dir / "commands.sh"
+    script = args.output_npy_dir / "commands.sh"
     lines = []
     for call in calls:
         line = shlex.join(call.command)

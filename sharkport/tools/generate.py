@@ -22,7 +22,8 @@ def main(argv: list[str] | None = None) -> int:
         description="Text generation with the eager PyTorch recipe (the reference for compiled "
                     "modules). Greedy unless --do-sample.")
     add_model_source(parser)
-    parser.add_argument("--block-seq-stride", type=int, default=32)
+    parser.add_argument("--block-seq-stride", type=int, default=32,
+                        help="tokens per KV cache page, as the export's flag (default 32)")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences run together (default 4)")
     add_generation_args(parser)
     add_verbose(parser)

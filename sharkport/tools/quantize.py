@@ -1,6 +1,6 @@
 """Quantize a model's weights to a ggml type, into a parameter archive and/or a GGUF file.
 
-    python -m sharkport.tools.quantize --irpa-file in.irpa --type q8_0 --save out.irpa
+    python -m sharkport.tools.quantize --irpa-file in.irpa --type q8_0 --output-irpa out.irpa
     python -m sharkport.tools.quantize --gguf-file in.gguf --type q4_1 \\
         --type-map 'output\\.weight=q8_0' --type-map 'ffn_down=f16' --output-gguf out.gguf
 
@@ -18,7 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 from ..errors import SharkportError, cli_main
-from ._cli import add_model_source, add_verbose, model_path
+from ._cli import add_model_source, add_verbose, model_path, parse_args
 
 
 @cli_main
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m sharkport.tools.quantize",
         description="Quantize a model's matrices to a ggml type (q8_0, q4_0, q4_1, q5_0, q5_1, or "
-                    "f16/bf16/f32) and write a parameter archive (--save) and/or a GGUF (--output-gguf).")
+                    "f16/bf16/f32) and write a parameter archive (--output-irpa) and/or a GGUF (--output-gguf).")
     add_model_source(parser)
     parser.add_argument("--type", metavar="TYPE",
                         help="the type of every matrix whose rows fill whole blocks: q8_0, q4_0, q4_1, "
@@ -34,12 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--type-map", action="append", default=[], metavar="REGEX=TYPE",
                         help="tensors whose name matches REGEX (re.search) get TYPE; repeatable, first "
                              "match wins, e.g. --type-map 'output\\.weight=q8_0'")
-    parser.add_argument("--save", type=Path, metavar="OUT.irpa", help="write the quantized parameter archive")
+    parser.add_argument("--output-irpa", type=Path, metavar="OUT.irpa", help="write the quantized parameter archive")
     parser.add_argument("--output-gguf", type=Path, metavar="OUT.gguf", help="write the quantized GGUF file")
     add_verbose(parser)
-    args = parser.parse_args(argv)
-    if not args.save and not args.output_gguf:
-        parser.error("nothing to write: pass --save OUT.irpa and/or --output-gguf OUT.gguf")
+    args = parse_args(parser, argv, {"--save": "--output-irpa"})
+    if not args.output_irpa and not args.output_gguf:
+        parser.error("nothing to write: pass --output-irpa OUT.irpa and/or --output-gguf OUT.gguf")
 
     from ..archive import Dataset, save_dataset
     from ..quant.quantize import TypeRule, parse_type, plan_types, requantized
@@ -62,9 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     progress = sys.stderr.isatty()
 
     t0 = time.perf_counter()
-    if args.save:
-        save_dataset(quantized, args.save, progress=progress)
-        print(f"wrote {args.save}", file=sys.stderr)
+    if args.output_irpa:
+        save_dataset(quantized, args.output_irpa, progress=progress)
+        print(f"wrote {args.output_irpa}", file=sys.stderr)
     if args.output_gguf:
         from .to_gguf import write_gguf
 

@@ -2,7 +2,7 @@
 (and what transformers computes)?
 
     python -m sharkport.tools.verify --vmfb x.vmfb --irpa-file x.irpa --config x.json \\
-        --prompt "The capital of France is" [--gguf-file x.gguf | --hf-model DIR]
+        --prompt "The capital of France is" [--gguf-file x.gguf | --model-dir DIR]
 
 Each prompt is continued greedily by the compiled module; then the whole sequence is run through
 every backend with the same calls the runner makes (prefill over the prompt, one decode step per
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import SharkportError, cli_main
-from ._cli import add_verbose
+from ._cli import add_archive_source, add_module_files, add_verbose, archive_path, parse_args
 
 
 # --atol's default by the module's KV cache type: a float16 cache rounds K and V, which moves
@@ -125,16 +125,16 @@ def _load_transformers(args):
         import torch
         from transformers import AutoModelForCausalLM
     except ImportError:
-        raise SharkportError("--gguf-file/--hf-model need transformers: pip install transformers") from None
+        raise SharkportError("--gguf-file/--model-dir need transformers: pip install transformers") from None
     if args.gguf_file:
         if not args.gguf_file.is_file():
             raise SharkportError(f"{args.gguf_file}: no such file")
         model = AutoModelForCausalLM.from_pretrained(args.gguf_file.parent, gguf_file=args.gguf_file.name,
                                                      dtype=torch.float32)
     else:
-        if not (args.hf_model / "config.json").is_file():
-            raise SharkportError(f"{args.hf_model}: no config.json; give a save_pretrained directory")
-        model = AutoModelForCausalLM.from_pretrained(args.hf_model, dtype=torch.float32)
+        if not (args.model_dir / "config.json").is_file():
+            raise SharkportError(f"{args.model_dir}: no config.json; give a save_pretrained directory")
+        model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
     return model.eval()
 
 
@@ -143,17 +143,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m sharkport.tools.verify",
         description="Compare a compiled module with the eager recipe (and with transformers, given "
-                    "--gguf-file or --hf-model) on prompts and their greedy continuations: max abs "
+                    "--gguf-file or --model-dir) on prompts and their greedy continuations: max abs "
                     "logits difference, top-1 agreement, pass/fail. Exit 0 if all pass, 1 if not.")
-    parser.add_argument("--vmfb", type=Path, required=True)
-    parser.add_argument("--irpa-file", type=Path, required=True)
-    parser.add_argument("--config", type=Path, required=True, help="the JSON written by --output-config")
+    add_module_files(parser)
+    add_archive_source(parser)
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     parser.add_argument("--token-ids", action="append", default=[],
                         help="a prompt as comma-separated token ids (repeatable; for archives without a tokenizer)")
     ref = parser.add_mutually_exclusive_group()
     ref.add_argument("--gguf-file", type=Path, help="also compare with transformers loading this GGUF")
-    ref.add_argument("--hf-model", type=Path, help="also compare with transformers loading this directory")
+    ref.add_argument("--model-dir", type=Path, metavar="DIR",
+                     help="also compare with transformers loading this Hugging Face checkpoint folder")
     parser.add_argument("--max-new-tokens", type=int, default=8, help="greedy tokens added to each prompt (default 8)")
     parser.add_argument("--atol", type=float,
                         help=f"largest allowed abs logits difference (default {ATOL['float32']:g}, or "
@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="smallest allowed share of positions with the same top-1 token (default 0.99)")
     parser.add_argument("--device", default="local-task", help="IREE device (default local-task)")
     add_verbose(parser)
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv, {"--hf-model": "--model-dir"})
+    args.irpa_file = archive_path(args)
     if not args.prompt and not args.token_ids:
         parser.error("give at least one --prompt or --token-ids")
 
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(dataset, ModelConfig(block_seq_stride=config.block_seq_stride,
                                              kv_cache_dtype=getattr(torch, config.kv_cache_dtype)))
     eager = EagerSession(model, config, pages=pages)
-    hf_model = _load_transformers(args) if args.gguf_file or args.hf_model else None
+    hf_model = _load_transformers(args) if args.gguf_file or args.model_dir else None
 
     results = verify(compiled, eager, prompts, args.max_new_tokens, hf_model, atol, args.min_top1)
     print(f"\n{'comparison':<26} {'positions':>9} {'max |diff|':>12} {'top-1 agreement':>22}  verdict")
