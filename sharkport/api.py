@@ -101,18 +101,26 @@ class TextGenerator:
         """Token ids of a prompt (see encode_prompt)."""
         return encode_prompt(self.tokenizer, prompt, chat)
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 config: GenerationConfig | Mapping[str, Any] | None = None, *, stream: bool = False,
-                 chat: bool = False, continuous_batching: bool = True,
+    def generate(self, prompts: Prompt | Sequence[Prompt] | None = None,
+                 config: GenerationConfig | Mapping[str, Any] | Any | None = None, *, stream: bool = False,
+                 chat: bool = False, continuous_batching: bool = True, prompt: Prompt | None = None,
+                 sequences: Prompt | Sequence[Prompt] | None = None, generation_config: Any = None,
+                 streaming: bool | None = None,
                  **options: Any) -> PromptOutput | list[PromptOutput] | Iterator[TokenEvent]:
-        """Continues each prompt. `config` (a GenerationConfig or a dict) and keyword options
-        (max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty, seed,
-        num_return_sequences, stop, stop_token_ids, output_scores) set how; greedy by default.
-        The tokenizer's EOS always stops a generation.
+        """Continues each prompt. `config` (a GenerationConfig, a dict or a
+        `transformers.GenerationConfig`) and keyword options (max_new_tokens, max_length,
+        min_new_tokens, do_sample, temperature, top_k, top_p, min_p, repetition_penalty, seed,
+        num_return_sequences, stop or stop_strings, stop_token_ids or eos_token_id, output_scores)
+        set how; greedy by default. The tokenizer's EOS always stops a generation.
+        DeepSparse's names work too: `prompt=` or `sequences=` for the prompts,
+        `generation_config=` for `config`, `streaming=` for `stream`.
 
         Returns a PromptOutput for a single prompt, a list for a list of prompts, or with
         `stream=True` an iterator of TokenEvents as tokens are chosen. `self.stats` holds the
         timings of the run once it has finished."""
+        prompts = _one_of("prompts", prompts, prompt=prompt, sequences=sequences)
+        config = _one_of("config", config, generation_config=generation_config)
+        stream = stream or bool(streaming)
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                               and not isinstance(prompts[0], (str, list)))
         given = [prompts] if single else list(prompts)
@@ -128,6 +136,16 @@ class TextGenerator:
             return iter(run)
         outputs = [PromptOutput(p, i, g) for p, i, g in zip(given, ids, run.results())]
         return outputs[0] if single else outputs
+
+
+def _one_of(name: str, value: Any, **aliases: Any) -> Any:
+    """The argument given under `name` or under one of its other names; giving two is an error."""
+    given = {k: v for k, v in {name: value, **aliases}.items() if v is not None}
+    if len(given) > 1:
+        raise SharkportError(f"{' and '.join(given)} name the same argument; give one")
+    if not given and name == "prompts":
+        raise SharkportError("no prompt given: pass prompts (or prompt= / sequences=)")
+    return next(iter(given.values()), None)
 
 
 def encode_prompt(tokenizer, prompt: Prompt, chat: bool = False) -> list[int]:

@@ -27,6 +27,10 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=0, help="with --do-sample: keep the k most likely tokens (0: all)")
     g.add_argument("--top-p", type=float, default=1.0,
                    help="with --do-sample: keep the smallest set of likeliest tokens with probability >= p")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="with --do-sample: keep tokens at least this share as likely as the likeliest (0: off)")
+    g.add_argument("--min-new-tokens", type=int, default=0,
+                   help="hold off EOS and the other stop tokens until this many tokens are generated")
     g.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="penalize tokens already in the sequence (1.0: off; 1.1-1.3 typical)")
     g.add_argument("--seed", type=int, help="with --do-sample: make the draws repeat")
@@ -40,7 +44,8 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
 
 def generation_options(args: argparse.Namespace) -> dict:
     return dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
-                top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+                top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, min_new_tokens=args.min_new_tokens,
+                repetition_penalty=args.repetition_penalty,
                 seed=args.seed, num_return_sequences=args.num_return_sequences, stop=tuple(args.stop))
 
 

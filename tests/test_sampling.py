@@ -5,13 +5,15 @@ top-p leave the candidates they should, temperature → 0 is greedy)."""
 import numpy as np
 import pytest
 import torch
-from transformers.generation.logits_process import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
+import transformers
+from transformers.generation.logits_process import (LogitsProcessorList, MinNewTokensLengthLogitsProcessor,
+                                                    MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from sharkport.api import TextGenerator
 from sharkport.errors import SharkportError
-from sharkport.runtime.sampling import (GenerationConfig, choose, process_logits, repetition_penalty,
-                                        softmax, top_k_filter, top_p_filter)
+from sharkport.runtime.sampling import (GenerationConfig, choose, min_p_filter, process_logits,
+                                        repetition_penalty, softmax, top_k_filter, top_p_filter)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -64,6 +66,26 @@ def test_top_p_matches_transformers(p, scale):
     assert_same_scores(top_p_filter(logits, p), hf_apply([TopPLogitsWarper(p)], [0], logits))
 
 
+@pytest.mark.parametrize("min_p", [0.01, 0.1, 0.5])
+@pytest.mark.parametrize("scale", [pytest.param(1.0, id="flat"), pytest.param(5.0, id="peaked")])
+def test_min_p_matches_transformers(min_p, scale):
+    logits = random_logits(6, scale)
+    ours = min_p_filter(logits, min_p)
+    assert_same_scores(ours, hf_apply([MinPLogitsWarper(min_p)], [0], logits))
+    assert 1 <= np.isfinite(ours).sum() < V
+
+
+@pytest.mark.parametrize("generated", [0, 2, 3, 5])
+def test_min_new_tokens_matches_transformers(generated):
+    """The stop tokens are held off while fewer than min_new_tokens tokens are generated."""
+    logits, prompt = random_logits(7), previous_ids(7)
+    stop = [int(np.argmax(logits)), 3]
+    config = GenerationConfig(min_new_tokens=3, stop_token_ids=stop)
+    ids = prompt + list(range(generated))
+    theirs = hf_apply([MinNewTokensLengthLogitsProcessor(len(prompt), 3, stop)], ids, logits)
+    assert_same_scores(process_logits(logits, ids, config, generated=generated), theirs)
+
+
 @pytest.mark.parametrize("options", [
     pytest.param(dict(temperature=0.7), id="temperature"),
     pytest.param(dict(temperature=1.5, top_k=20), id="temperature-top_k"),
@@ -84,6 +106,31 @@ def test_processor_chain_matches_transformers(options):
     for seed in range(3):
         logits, ids = random_logits(seed), previous_ids(seed)
         assert_same_scores(process_logits(logits, ids, config), hf_apply(processors, ids, logits))
+
+
+def test_transformers_config_means_what_it_means_to_transformers():
+    """A transformers.GenerationConfig: unset fields take transformers' defaults (top_k 50,
+    max_length 20), and the chain is transformers' own processors in their order."""
+    theirs_config = transformers.GenerationConfig(do_sample=True, temperature=0.8, top_p=0.95, min_p=0.05,
+                                                  repetition_penalty=1.2, min_new_tokens=2, eos_token_id=[7, 9])
+    config = GenerationConfig.make(theirs_config)
+    assert (config.top_k, config.max_length, config.max_new_tokens) == (50, 20, None)
+    assert config.stop_token_ids == (7, 9) and config.new_tokens(15) == 5
+    for seed in range(3):
+        logits, prompt = random_logits(seed), previous_ids(seed)
+        logits[[7, 9]] = logits.max() + 1  # the stop tokens would win
+        processors = [RepetitionPenaltyLogitsProcessor(1.2), MinNewTokensLengthLogitsProcessor(len(prompt), 2, [7, 9]),
+                      TemperatureLogitsWarper(0.8), TopKLogitsWarper(50), TopPLogitsWarper(0.95), MinPLogitsWarper(0.05)]
+        for generated in (1, 2):
+            ids = prompt + [11] * generated
+            assert_same_scores(process_logits(logits, ids, config, generated=generated),
+                               hf_apply(processors, ids, logits))
+
+
+def test_transformers_config_without_our_equivalent_is_an_error():
+    with pytest.raises(SharkportError, match="num_beams=4"):
+        GenerationConfig.make(transformers.GenerationConfig(num_beams=4))
+    assert GenerationConfig.make(transformers.GenerationConfig(num_beams=1, pad_token_id=0)).max_length == 20
 
 
 def test_draws_follow_the_processed_distribution():
@@ -116,6 +163,11 @@ def test_config_from_dict_and_kwargs():
     assert GenerationConfig.make(config, max_new_tokens=4).top_k == 7
     assert GenerationConfig.make() == GenerationConfig()  # greedy by default
     assert not GenerationConfig().sampling and not GenerationConfig(do_sample=True, temperature=0).sampling
+    # transformers' names, and max_length alone bounding prompt + new tokens
+    config = GenerationConfig.make({"eos_token_id": 2, "stop_strings": "###"}, max_length=40)
+    assert (config.stop_token_ids, config.stop, config.max_new_tokens) == ((2,), ("###",), None)
+    assert (config.new_tokens(10), config.new_tokens(45)) == (30, 0)
+    assert GenerationConfig.make(max_length=40, max_new_tokens=5).new_tokens(10) == 5  # as in transformers
 
 
 @pytest.mark.parametrize("options, message", [
@@ -125,6 +177,10 @@ def test_config_from_dict_and_kwargs():
     pytest.param(dict(max_new_tokens=-1), "max_new_tokens", id="negative-length"),
     pytest.param(dict(num_return_sequences=2), "needs do_sample", id="greedy-many"),
     pytest.param(dict(stop=[""]), "stop strings", id="empty-stop"),
+    pytest.param(dict(max_new_tokens=2.5), "whole number", id="fractional-length"),
+    pytest.param(dict(min_p=1.5), "min_p", id="min_p-over-one"),
+    pytest.param(dict(stop=["a"], stop_strings=["b"]), "give one", id="alias-twice"),
+    pytest.param(dict(max_new_tokens=None), "max_new_tokens or max_length", id="no-length"),
 ])
 def test_config_rejects_bad_values(options, message):
     with pytest.raises(SharkportError, match=message):
@@ -206,3 +262,44 @@ def test_repetition_penalty_changes_greedy_choice_as_transformers_would(generato
             penalized = hf_apply([RepetitionPenaltyLogitsProcessor(1.5)], seq, logits)
             assert token == int(np.argmax(penalized))
             seq.append(token)
+
+
+def test_transformers_config_gives_transformers_tokens(generator, tiny):
+    """Greedy generate() with a transformers.GenerationConfig (max_length, min_new_tokens,
+    eos_token_id, repetition_penalty) gives the tokens transformers' own generate() gives."""
+    hf, prompt = tiny["mha-untied"].hf, PROMPTS[0]
+    base = dict(max_length=len(prompt) + 12, repetition_penalty=1.3, do_sample=False, pad_token_id=0)
+
+    def hf_generate(**options):
+        ids = torch.tensor([prompt])
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids),
+                          generation_config=transformers.GenerationConfig(**base, **options))
+        return out[0, len(prompt):].tolist()
+
+    free = hf_generate()
+    eos = free[1]  # reached at the second step: min_new_tokens=4 must hold it off
+    for options in (dict(), dict(eos_token_id=eos), dict(eos_token_id=eos, min_new_tokens=4)):
+        theirs = hf_generate(**options)
+        ours = generator.generate([prompt], transformers.GenerationConfig(**base, **options))[0]
+        assert ours.generations[0].token_ids == theirs, options
+    assert len(hf_generate(eos_token_id=eos)) == 2
+
+
+def test_deepsparse_argument_names(generator):
+    reference = tokens_of(generator.generate(PROMPTS, max_new_tokens=4))
+    assert tokens_of(generator.generate(sequences=PROMPTS, generation_config={"max_new_tokens": 4})) == reference
+    assert generator.generate(prompt=PROMPTS[1], max_new_tokens=4).generations[0].token_ids == reference[1]
+    events = list(generator.generate(sequences=PROMPTS, max_new_tokens=4, streaming=True))
+    assert len(events) == 4 * len(PROMPTS)
+    with pytest.raises(SharkportError, match="give one"):
+        generator.generate(PROMPTS, prompt=PROMPTS[0])
+    with pytest.raises(SharkportError, match="give one"):
+        generator.generate(PROMPTS, {"max_new_tokens": 2}, generation_config={"max_new_tokens": 3})
+
+
+def test_max_length_bounds_prompt_and_new_tokens(generator):
+    greedy = tokens_of(generator.generate(PROMPTS, max_new_tokens=30))
+    outputs = generator.generate(PROMPTS, max_length=30)
+    for prompt, out, full in zip(PROMPTS, outputs, greedy):
+        new = max(30 - len(prompt), 0)
+        assert out.generations[0].token_ids == full[:new] and out.generations[0].finish_reason == "length"

@@ -173,9 +173,9 @@ class GenerationRun:
         for i, p in enumerate(prompts):
             if not p:
                 raise SharkportError(f"prompt {i} is empty: give at least one token (or a BOS token)")
-            if len(p) + config.max_new_tokens > c.max_seq_len:
+            if len(p) + config.new_tokens(len(p)) > c.max_seq_len:
                 raise SharkportError(
-                    f"prompt {i} has {len(p)} tokens; with {config.max_new_tokens} new tokens it exceeds "
+                    f"prompt {i} has {len(p)} tokens; with {config.new_tokens(len(p))} new tokens it exceeds "
                     f"the exported max_seq_len {c.max_seq_len}; shorten it or lower --max-new-tokens")
         self._stride = c.block_seq_stride
         self._rows = max(c.decode_batch_sizes or c.prefill_batch_sizes)
@@ -205,18 +205,19 @@ class GenerationRun:
 
     # -- scheduling -------------------------------------------------------------------------------
     def _pages_needed(self, s: _Seq) -> int:
-        return math.ceil((len(s.prompt) + self.config.max_new_tokens) / self._stride)
+        return math.ceil((len(s.prompt) + self.config.new_tokens(len(s.prompt))) / self._stride)
 
     def _run(self) -> Iterator[TokenEvent]:
         self._t0 = t0 = time.perf_counter()
-        if self.config.max_new_tokens == 0:
-            for s in self._seqs:
+        for s in self._seqs:
+            if self.config.new_tokens(len(s.prompt)) == 0:
                 s.finish_reason = "length"
+        if all(s.finish_reason for s in self._seqs):
             self._done = True
             return
         allocator = page_allocator(self.session)
         self._scratch = allocator.alloc(1)[0]  # written by padding rows only
-        waiting, running = deque(self._seqs), []
+        waiting, running = deque(s for s in self._seqs if not s.finish_reason), []
         try:
             while waiting or running:
                 admitted = self._admit(waiting, running, allocator)
@@ -306,7 +307,7 @@ class GenerationRun:
     # -- one token ----------------------------------------------------------------------------------
     def _step(self, s: _Seq, logits: np.ndarray) -> Iterator[TokenEvent]:
         config = self.config
-        scores = process_logits(logits, s.prompt + s.tokens, config)
+        scores = process_logits(logits, s.prompt + s.tokens, config, generated=len(s.tokens))
         token = choose(scores, config, s.rng)
         s.tokens.append(token)
         if config.output_scores:
@@ -325,11 +326,11 @@ class GenerationRun:
             if s.decoder is None:
                 s.decoder = self.tokenizer.stream_decoder()
             s.text += s.decoder.add(token)
-            if finish or len(s.tokens) >= config.max_new_tokens:
+            if finish or len(s.tokens) >= config.new_tokens(len(s.prompt)):
                 s.text += s.decoder.flush()  # nothing more comes: release held-back bytes
             if self._cut_at_stop(s):
                 finish = "stop"
-        if not finish and len(s.tokens) >= config.max_new_tokens:
+        if not finish and len(s.tokens) >= config.new_tokens(len(s.prompt)):
             finish = "length"
         if self.tokenizer is not None:
             text = self._emit(s, final=finish is not None)
