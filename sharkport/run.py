@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from .errors import cli_main
 from .tools._cli import add_archive_source, add_module_files, add_verbose, archive_path

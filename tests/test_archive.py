@@ -12,6 +12,7 @@ from iree.turbine.aot import ParameterArchive
 
 from sharkport.archive import Dataset, QuantizedTensor, import_gguf
 from sharkport.archive.irpa import METADATA_KEY
+from sharkport.formats.irpa import metadata_blobs
 from sharkport.errors import SharkportError
 
 from gguf_fixtures import random_blocks, random_tensor, write_gguf
@@ -142,7 +143,7 @@ def _iree_archive(gguf_path, irpa, metadata):
     from sharkport.quant import BLOCK_TYPES
 
     reader = gguf.GGUFReader(gguf_path)
-    index = rt.ParameterIndex()
+    index, keys = rt.ParameterIndex(), []
     with open(gguf_path, "rb") as f:
         handle = rt.FileHandle.wrap_fd(f.fileno())
         for t in reader.tensors:
@@ -150,15 +151,18 @@ def _iree_archive(gguf_path, irpa, metadata):
             name = t.tensor_type.name
             if name in ("F32", "F16", "BF16"):
                 dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[name]
+                keys.append(t.name)
                 index.add_from_file_handle(t.name, handle, int(t.n_bytes), int(t.data_offset),
                                            metadata=entry_metadata(dtype, shape))
                 continue
             blocks = np.asarray(t.data).reshape(-1).view(BLOCK_TYPES[name].struct)
             for field, _, count in BLOCK_TYPES[name].fields:
                 plane = np.ascontiguousarray(blocks[field]).reshape(*shape[:-1], -1, *([count] if count > 1 else []))
-                index.add_buffer(f"{t.name}:{field}", plane.tobytes(),
+                keys.append(f"{t.name}:{field}")
+                index.add_buffer(keys[-1], plane.tobytes(),
                                  metadata=entry_metadata(torch.from_numpy(plane).dtype, plane.shape))
-        index.add_buffer(METADATA_KEY, json.dumps(metadata).encode())
+        for key, blob in metadata_blobs(metadata, keys):
+            index.add_buffer(key, blob)
         index.create_archive_file(str(irpa))
 
 
@@ -190,7 +194,8 @@ def test_write_archive_bytes_match_irees_builder(tmp_path):
     index = rt.ParameterIndex()
     for e in entries:
         index.add_buffer(e.key, e.data.tobytes(), metadata=entry_metadata(e.dtype, e.shape))
-    index.add_buffer(METADATA_KEY, json.dumps(metadata).encode())
+    for key, blob in metadata_blobs(metadata, list(arrays)):
+        index.add_buffer(key, blob)
     index.create_archive_file(str(tmp_path / "iree.irpa"))
     assert (tmp_path / "ours.irpa").read_bytes() == (tmp_path / "iree.irpa").read_bytes()
 

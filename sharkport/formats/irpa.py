@@ -7,9 +7,9 @@ every entry through 32 KiB read/write pairs and then fsyncs the whole file, whic
 2.2 GB import to about 0.5 GB/s. Here plain data moves by in-kernel file-range copies and
 quantized blocks are split into planes a bounded chunk at a time, straight into their place.
 
-Entries (DESIGN.md §2): plain tensors under their GGUF name, quantized ones as planes
-`<name>:<plane>`, each carrying turbine's `PYTORCH:` tensor description, and one JSON entry
-`METADATA_KEY`.
+Entries (docs/archive.md): plain tensors under their GGUF name, quantized ones as planes
+`<name>:<plane>`, each carrying turbine's `PYTORCH:` tensor description, then the JSON entries
+of `metadata_blobs`: ours (`METADATA_KEY`) and sharktank's dataset properties and tensor table.
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ from ..quant import BLOCK_TYPES, BlockType
 
 METADATA_KEY = "__sharkport__"
 ARCHIVE_VERSION = 1
+# sharktank's dataset entries (what sharktank.types.Dataset.load reads): its properties, and its
+# table of the archive's tensors
+SHARKTANK_PROPERTIES_KEY = "__SHARK_DATASET__"
+SHARKTANK_TENSORS_KEY = "__SHARK_INFERENCE_TENSORS__"
 
 # torch's description of each dtype an archive holds (what turbine's `as_tensor` reads back).
 # (is_floating_point, is_signed, itemsize); tests check these against torch itself.
@@ -64,6 +68,24 @@ _HEADER = struct.Struct("<IHHQQQQ6Q")  # magic, version 0.0, header size, next h
 _DATA_ENTRY = struct.Struct("<QIQ4QQ2Q")  # entry size, type, flags, name ref, metadata ref, min alignment, storage ref
 _TYPE_DATA = 2
 _ENTRY_ALIGN, _DATA_ALIGN, _FILE_ALIGN = 16, 64, 4096
+
+
+def metadata_blobs(metadata: dict, keys: Sequence[str]) -> list[tuple[str, bytes]]:
+    """The archive's JSON entries, after its tensor entries `keys`: sharkport's metadata, and
+    sharktank's dataset properties (the GGUF hyperparameters) and tensor table. The table holds
+    the plain tensors; quantized ones are left out of it, as sharktank's block layouts shape and
+    order their planes otherwise, so sharktank sees the whole model only in an unquantized archive."""
+    properties = {**metadata.get("hparams", {}), "SHARK_DATASET_VERSION": 1}
+    tensors = {key: {"type_name": "PrimitiveTensor", "raw_tensors": {"": key}} for key in keys if ":" not in key}
+    return [(METADATA_KEY, json.dumps(metadata).encode()),
+            (SHARKTANK_PROPERTIES_KEY, json.dumps(properties).encode()),
+            (SHARKTANK_TENSORS_KEY, json.dumps(tensors).encode())]
+
+
+def with_metadata(slots: Sequence[Slot], metadata: dict) -> tuple[list[Slot], list[bytes]]:
+    """`slots` followed by the slots of `metadata_blobs`, and those blobs (to write last)."""
+    blobs = metadata_blobs(metadata, [s.key for s in slots])
+    return [*slots, *(Slot(key, b"", len(blob)) for key, blob in blobs)], [blob for _, blob in blobs]
 
 
 def _align(x: int, a: int) -> int:
