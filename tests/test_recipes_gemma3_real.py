@@ -12,7 +12,6 @@ import torch
 
 from real_models import compiled_module, eager_prefill, hf_from_gguf
 from sharkport.archive import Dataset
-from sharkport.packaged import packaged_gguf
 from sharkport.runtime.generate import generate
 from sharkport.runtime.session import IreeSession
 
@@ -28,11 +27,6 @@ PASSAGE = (
     "combined movable metal type, oil-based ink and a wooden press adapted from those used for wine."
 )
 NEW_TOKENS = 32
-
-
-@pytest.fixture(scope="module")
-def gemma3_gguf():
-    return packaged_gguf("gemma3")
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +75,20 @@ def test_greedy_continuations_equal_transformers(gemma3_compiled, gemma3_hf):
     for p, ours in zip(prompts, got):
         expected = hf_greedy(hf, p, NEW_TOKENS)
         assert ours == expected, f"{tok.decode(p)!r}: {tok.decode(ours)!r} != {tok.decode(expected)!r}"
+
+
+def test_shortfin_serves_the_sentencepiece_vocabulary(gemma3_compiled, tmp_path):
+    """shortfin's LLM server over the module, with the tokenizer.json written for Gemma-3's
+    SentencePiece vocabulary: its greedy text is the runner's."""
+    pytest.importorskip("shortfin_apps.llm.server", reason="shortfin is in the test extra: pip install -e '.[test]'")
+    import time
+
+    from test_serving import REQUEST_S, _tokenizer_dir, post_generate, runner_texts, start_server
+
+    vmfb, irpa, config = gemma3_compiled
+    server = start_server(vmfb, irpa, config, _tokenizer_dir(irpa, tmp_path), tmp_path / "server.log")
+    try:
+        text, _ = post_generate(next(server), PROMPTS[2], time.monotonic() + REQUEST_S)
+    finally:
+        server.close()
+    assert text and text == runner_texts(vmfb, irpa, config, PROMPTS[2:])[0]

@@ -112,11 +112,14 @@ def start_server(vmfb: Path, irpa: Path, config: Path, tokenizer_dir: Path, log:
         assert proc.poll() is not None, "shortfin's server did not stop"
 
 
-def post_generate(server: Server, prompt: str, deadline: float) -> tuple[str, int]:
+def post_generate(server: Server, prompt: str, deadline: float, stream: bool = False) -> tuple[str, int]:
     """POST /generate with greedy decoding (shortfin: argmax unless top_k/top_p/beams are
     given) and MAX_NEW_TOKENS; resends after QUEUE_FULL until `deadline` (time.monotonic).
-    Returns (text, number of QUEUE_FULL answers)."""
-    body = json.dumps({"text": prompt, "sampling_params": {"max_completion_tokens": MAX_NEW_TOKENS}}).encode()
+    Returns (text, number of QUEUE_FULL answers). With `stream`, the request asks for a
+    stream, and the answer is read as server-sent events (`data: ...` parts) or, as shortfin
+    3.9.0 answers, one JSON response."""
+    body = json.dumps({"text": prompt, "sampling_params": {"max_completion_tokens": MAX_NEW_TOKENS},
+                       "stream": stream}).encode()
     rejected = 0
     while True:
         left = deadline - time.monotonic()
@@ -126,9 +129,13 @@ def post_generate(server: Server, prompt: str, deadline: float) -> tuple[str, in
                                      headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=left) as r:
-                answer = json.loads(r.read())
+                raw = r.read().decode()
         except urllib.error.HTTPError as e:
-            answer = json.loads(e.read() or b"{}")
+            raw = e.read().decode() or "{}"
+        if raw.startswith("data:"):  # server-sent events: the text in parts
+            parts = [line[len("data:"):].removeprefix(" ") for line in raw.split("\n") if line.startswith("data:")]
+            return "".join(parts), rejected
+        answer = json.loads(raw)
         if answer.get("code") == "QUEUE_FULL":
             rejected += 1
             time.sleep(QUEUE_RETRY_S)
@@ -184,6 +191,14 @@ def test_concurrent_requests_match_sharkport_runner(shortfin_smollm2, smollm2_co
     # Batch size 1: shortfin's queue holds one request, so the others were told QUEUE_FULL and
     # resent (at least one was, as all three were sent while the first was being served).
     assert rejected >= 1
+
+
+def test_streaming_request_gives_the_same_text(shortfin_smollm2, smollm2_compiled):
+    """A request with "stream": true is served, with the greedy text of a plain request."""
+    deadline = time.monotonic() + REQUEST_S
+    streamed, _ = post_generate(shortfin_smollm2, PROMPTS[0], deadline, stream=True)
+    assert streamed == runner_texts(*smollm2_compiled, PROMPTS[:1])[0]
+    assert "Traceback" not in shortfin_smollm2.log.read_text()
 
 
 @pytest.mark.extended

@@ -12,7 +12,7 @@ import pytest
 from run_cli import run
 from sharkport.errors import SharkportError
 from sharkport.tokenizer import KNOWN_PRE_TOKENIZERS, Tokenizer, write_hf_tokenizer
-from test_tokenizer import TEXTS, _byte_level_metadata, read_gguf_metadata
+from test_tokenizer import TEXTS, _byte_level_metadata, read_gguf_metadata, sp_model  # noqa: F401 (fixture)
 
 # Special tokens written in the text, multi-byte characters (split over byte-level tokens),
 # whitespace runs and plain text.
@@ -122,19 +122,72 @@ def test_huggingface_json_vocabulary_is_written_back(smollm_files, tmp_path):
     assert [hf.encode(t).ids for t in SAMPLES] == [tok.encode(t) for t in SAMPLES]
 
 
+# A SentencePiece vocabulary with the space prefix and a user-defined token: tokenizer.json
+# cannot express it (tokenizers would prefix the text after the user-defined token too).
 SPM_METADATA = {
     "tokenizer.ggml.model": "llama",
-    "tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>", "\u2581a", "a"],
-    "tokenizer.ggml.scores": [0.0, 0.0, 0.0, -1.0, -2.0],
-    "tokenizer.ggml.token_type": [2, 3, 3, 1, 1],
+    "tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>", "\u2581a", "a", "<tool>"],
+    "tokenizer.ggml.scores": [0.0, 0.0, 0.0, -1.0, -2.0, 0.0],
+    "tokenizer.ggml.token_type": [2, 3, 3, 1, 1, 4],
 }
+# Runs of spaces and newlines (Gemma's user-defined pieces), special tokens, bytes, code.
+SPM_SAMPLES = [TEXTS[k] for k in ("hello_world", "leading_spaces", "trailing_spaces", "space_run", "newlines",
+                                  "crlf", "tabs", "mixed_ws", "numbers", "code_python", "accents", "cjk_japanese",
+                                  "emoji_zwj", "math", "zero_width", "empty", "space")] + [
+    "<start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n", "<bos>a<pad>b<unk>c<mask>",
+    "double  space and   triple", "    indented\n        deeper\n\n\n\nfar", "[multimodal] tag \x00\x01"]
 
 
-def test_sentencepiece_vocabulary_is_a_clear_error(tmp_path):
+def test_sentencepiece_space_prefix_with_user_defined_tokens_is_a_clear_error(tmp_path):
     with pytest.raises(SharkportError, match="SentencePiece") as e:
         write_hf_tokenizer(Tokenizer.from_gguf_metadata(SPM_METADATA), tmp_path)
     assert "\n" not in str(e.value)
     assert not list(tmp_path.iterdir())
+
+
+def test_sentencepiece_files_encode_like_sentencepiece(sp_model, tmp_path):
+    """A SentencePiece BPE trained here (space prefix, byte fallback, a control token; its one
+    user-defined token made normal): tokenizer.json encodes as sentencepiece and decodes as
+    sharkport does."""
+    sp, metadata = sp_model
+    types = [1 if t == 4 else t for t in metadata["tokenizer.ggml.token_type"]]
+    tok = Tokenizer.from_gguf_metadata(dict(metadata, **{"tokenizer.ggml.token_type": types}))
+    write_hf_tokenizer(tok, tmp_path)
+    hf, config = _load(tmp_path)
+    assert config["add_bos_token"] is True and config["bos_token"] == "<s>"
+    for text in SAMPLES + SPM_SAMPLES + ["hi<|eot|> there", "The family of the student had a house."]:
+        ids = tok.encode(text)
+        assert hf.encode(text).ids == ids, text
+        if not any(special in text for special in ("<unk>", "<s>", "</s>", "<|eot|>")):  # sharkport's own
+            assert ids == [sp.bos_id()] + sp.encode(text), text
+        for skip in (True, False):
+            assert hf.decode(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip), text
+
+
+@pytest.mark.slow
+def test_gemma3_files_encode_like_sharkport_transformers_and_shortfin(gemma3_gguf, tmp_path):
+    """Gemma-3's 262,144-token SentencePiece vocabulary as tokenizer.json: the ids of sharkport's
+    tokenizer (sentencepiece), of transformers' own reading of the GGUF and of shortfin's
+    tokenizer over the written files are the same, and so are the decoded texts."""
+    from shortfin_apps.llm.components.lifecycle import get_eos_from_tokenizer_config
+    from shortfin_apps.llm.components.tokenizer import Tokenizer as ShortfinTokenizer
+    from transformers import AutoTokenizer
+
+    tok = Tokenizer.from_gguf_metadata(read_gguf_metadata(str(gemma3_gguf)))
+    write_hf_tokenizer(tok, tmp_path)
+    hf, config = _load(tmp_path)
+    reference = AutoTokenizer.from_pretrained(gemma3_gguf.parent, gguf_file=gemma3_gguf.name)
+    texts = SAMPLES + SPM_SAMPLES
+    for text in texts:
+        ids = reference(text).input_ids
+        assert tok.encode(text) == ids, text
+        assert hf.encode(text).ids == ids, text
+        for skip in (True, False):
+            assert hf.decode(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip), text
+    eos = get_eos_from_tokenizer_config(tmp_path / "tokenizer_config.json")
+    sf = ShortfinTokenizer.from_tokenizer_json_file(tmp_path / "tokenizer.json", eos_token=eos)
+    assert sf.eos_token_id == tok.eos_id == 1
+    assert [e.ids for e in sf.encode(texts)] == [tok.encode(t) for t in texts]
 
 
 def _spm_gguf(path):
@@ -147,7 +200,7 @@ def _spm_gguf(path):
     writer.add_token_list(SPM_METADATA["tokenizer.ggml.tokens"])
     writer.add_token_scores(SPM_METADATA["tokenizer.ggml.scores"])
     writer.add_token_types(SPM_METADATA["tokenizer.ggml.token_type"])
-    writer.add_tensor("token_embd.weight", np.zeros((5, 8), np.float32))
+    writer.add_tensor("token_embd.weight", np.zeros((len(SPM_METADATA["tokenizer.ggml.tokens"]), 8), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -156,8 +209,8 @@ def _spm_gguf(path):
 
 
 def test_export_cli_refuses_first(tmp_path):
-    """--output-tokenizer-dir is handled before the slow export: a SentencePiece GGUF fails at
-    once with one line and leaves nothing behind."""
+    """--output-tokenizer-dir is handled before the slow export: a vocabulary tokenizer.json
+    cannot express fails at once with one line and leaves nothing behind."""
     gguf = _spm_gguf(tmp_path / "spm.gguf")
     out = tmp_path / "out"
     proc = run("sharkport.export", "--gguf-file", str(gguf), "--output-mlir", str(out / "x.mlir"),
