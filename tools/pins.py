@@ -4,6 +4,7 @@
     python tools/pins.py check     # this environment has exactly the pinned versions (exit 1 if not)
     python tools/pins.py freeze    # print the pins of this environment (what constraints.txt holds)
     python tools/pins.py fresh     # a scratch venv installed as README says, then the quick tests
+                                   # (.ci/run runs it after the suite)
     python tools/pins.py upgrade   # a scratch venv with the newest releases, the quick tests, and
                                    # constraints.txt rewritten from it if they pass
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata as md
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -109,6 +111,13 @@ def scratch_venv(constrained: bool, keep: Path | None) -> int:
     runs the quick tests there, and with `constrained=False` rewrites constraints.txt if they
     pass. Returns the exit status."""
     root = keep or Path(tempfile.mkdtemp(prefix="sharkport-pins-"))
+    status = _in_venv(root, constrained)
+    if status == 0 and keep is None and constrained:
+        shutil.rmtree(root)  # a venv is about 2 GB; a failed one, or an upgrade's, stays
+    return status
+
+
+def _in_venv(root: Path, constrained: bool) -> int:
     venv = root / "venv"
     py = venv / "bin" / "python"
 
@@ -132,10 +141,11 @@ def scratch_venv(constrained: bool, keep: Path | None) -> int:
     frozen = sh(py, __file__, "freeze", capture_output=True, text=True, check=True).stdout
     if constrained:
         return sh(py, __file__, "check").returncode
-    changed = differences(read_pins(), {k: v for k, v in _parse(frozen).items()})
+    changed = differences(read_pins(), _parse(frozen))
     CONSTRAINTS.write_text(frozen)
     print("\n".join(changed) or "no pin moved")
-    print(f"wrote {CONSTRAINTS}; run the whole suite (`python -m pytest tests`) in {venv} before committing")
+    print(f"wrote {CONSTRAINTS}; run the whole suite in that venv (`{py} -m pytest tests`, kept with "
+          "--keep DIR) before committing")
     return 0
 
 
