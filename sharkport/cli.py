@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import sys
 
+from . import errors
 from .errors import SharkportError, cli_main
 
 # subcommand → (module whose main(argv) runs it, one line for --help)
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"error: unknown command {name!r}; one of: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
+    errors._command = name
     if name == "import":
         return _import(rest)
     return importlib.import_module(COMMANDS[name][0]).main(rest) or 0

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import SharkportError, cli_main
+from .errors import SharkportError, cli_main, prog
 
 __all__ = ["FILE_KINDS", "RegisteredDataset", "Fetched", "dataset_archive", "dataset_model_path",
            "fetch", "get_dataset", "load_registry", "registry_path"]
@@ -205,7 +205,7 @@ def _list(registry: dict[str, RegisteredDataset]) -> None:
 @cli_main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m sharkport.datasets",
+        prog=prog("sharkport.datasets"),
         description=f"Registered models (from {registry_path()}, or SHARKPORT_DATASETS). Files are "
                     "fetched with huggingface_hub into the Hugging Face cache (HF_HOME / HF_HUB_CACHE); "
                     "HF_HUB_OFFLINE=1 uses only the cache.")

@@ -38,6 +38,16 @@ def cli_main(main: Callable[[list[str] | None], int | None]) -> Callable[[list[s
     return wrapper
 
 
+# the `sharkport` subcommand running now (set by sharkport.cli), for the tools' usage lines
+_command: str | None = None
+
+
+def prog(module: str) -> str:
+    """A tool's name in its usage line: `sharkport export` when run as that subcommand,
+    else `python -m <module>`."""
+    return f"sharkport {_command}" if _command else f"python -m {module}"
+
+
 def _one_line(e: BaseException) -> str:
     if isinstance(e, OSError) and e.filename is not None:
         return f"{e.filename}: {e.strerror or e}"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .errors import cli_main
+from .errors import cli_main, prog
 from .tools._cli import add_archive_source, add_module_files, add_verbose, archive_path
 
 
@@ -89,7 +89,7 @@ def _print_stream(events, args) -> None:
 @cli_main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m sharkport.run",
+        prog=prog("sharkport.run"),
         description="Text generation with a compiled module (.vmfb), its parameters (.irpa) and the "
                     "service config JSON written by `python -m sharkport.export`. Greedy unless "
                     "--do-sample; prompts of any length are batched over the exported batch sizes.")

@@ -116,6 +116,8 @@ def test_sharkport_command_lists_every_tool():
     for argv in ([exe, "--help"], [sys.executable, "-m", "sharkport", "--help"]):
         out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
         assert all(f"  {name} " in out for name in COMMANDS), out
+    usage = subprocess.run([exe, "export", "--help"], capture_output=True, text=True, check=True).stdout
+    assert usage.startswith("usage: sharkport export ")
     proc = subprocess.run([exe, "bogus"], capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "bogus" in proc.stderr
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from ..compile import TARGETS
-from ..errors import SharkportError, cli_main
+from ..errors import SharkportError, cli_main, prog
 from ..tools._cli import add_model_source, add_verbose, batch_sizes, load_dataset
 
 
@@ -20,7 +20,7 @@ def _log(msg: str) -> None:
 @cli_main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m sharkport.export",
+        prog=prog("sharkport.export"),
         description="Export a model's paged-KV-cache prefill_bs{N}/decode_bs{N} functions to MLIR "
                     "with external parameters (scope 'model'), plus the service config JSON. "
                     "Unrecognised --iree-* flags are passed to iree-compile.")

@@ -26,7 +26,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..errors import SharkportError, cli_main
+from ..errors import SharkportError, cli_main, prog
 from ..formats import keys
 from ..formats.gguf import GgufFile, read_gguf
 from ..formats.keys import HPARAMS, LLAMA_KEYS, LlamaHParams
@@ -306,7 +306,7 @@ def print_findings(path: Path, problems: list[str], notes: list[str]) -> int:
 @cli_main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m sharkport.tools.check",
+        prog=prog("sharkport.tools.check"),
         description="Check that a model's metadata and tensors agree (expected tensors present, "
                     "shapes, quantized planes, entry sizes, coherent hyperparameters). Prints every "
                     "problem, one per line; exit 1 if any, 2 if the file cannot be read.")

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import SharkportError, cli_main
+from ..errors import SharkportError, cli_main, prog
 from ..fileio import atomic_output
 from ..formats.gguf import GgufFile, GgufTensor, read_gguf
 from ..quant import BLOCK_TYPES, check_supported
@@ -137,7 +137,7 @@ def select(gg: GgufFile, tensor_regex: str | None, num_blocks: int | None) -> tu
 @cli_main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m sharkport.tools.dump_gguf",
+        prog=prog("sharkport.tools.dump_gguf"),
         description="Print a GGUF file's metadata (vocabularies summarized) and tensor table; "
                     "with --output-irpa, import it into an IREE parameter archive (.irpa).")
     src = parser.add_mutually_exclusive_group(required=True)

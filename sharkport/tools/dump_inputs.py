@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import SharkportError, cli_main
+from ..errors import SharkportError, cli_main, prog
 from ._cli import add_archive_source, add_module_files, add_verbose, archive_path, parse_args
 
 
@@ -108,7 +108,7 @@ def _write_call(folder: Path, function: str, inputs: dict[str, np.ndarray], logi
 @cli_main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m sharkport.tools.dump_inputs",
+        prog=prog("sharkport.tools.dump_inputs"),
         description="Write the .npy inputs of a prompt's prefill and first decode call (the decode "
                     "cache_state is the cache after prefill), the runner's logits for each, and print "
                     "the iree-run-module command lines that replay the calls.")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..errors import cli_main
+from ..errors import cli_main, prog
 from ..run import add_generation_args, run_generation
 from ._cli import add_model_source, add_verbose, model_path
 
@@ -18,7 +18,7 @@ from ._cli import add_model_source, add_verbose, model_path
 @cli_main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m sharkport.tools.generate",
+        prog=prog("sharkport.tools.generate"),
         description="Text generation with the eager PyTorch recipe (the reference for compiled "
                     "modules). Greedy unless --do-sample.")
     add_model_source(parser)

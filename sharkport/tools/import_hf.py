@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..errors import cli_main
+from ..errors import cli_main, prog
 from ._cli import add_hf_dataset, add_verbose, hf_dataset_path, parse_args
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -20,7 +20,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 @cli_main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m sharkport.tools.import_hf",
+        prog=prog("sharkport.tools.import_hf"),
         description="Import a Hugging Face checkpoint folder (config.json, model.safetensors or shards "
                     "listed in model.safetensors.index.json, tokenizer files) into an IREE parameter "
                     "archive, one tensor in memory at a time. Tensors are renamed to GGUF names; Q/K "

@@ -17,14 +17,14 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from ..errors import SharkportError, cli_main
+from ..errors import SharkportError, cli_main, prog
 from ._cli import add_model_source, add_verbose, model_path, parse_args
 
 
 @cli_main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m sharkport.tools.quantize",
+        prog=prog("sharkport.tools.quantize"),
         description="Quantize a model's matrices to a ggml type (q8_0, q4_0, q4_1, q5_0, q5_1, or "
                     "f16/bf16/f32) and write a parameter archive (--output-irpa) and/or a GGUF (--output-gguf).")
     add_model_source(parser)

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import SharkportError, cli_main
+from ..errors import SharkportError, cli_main, prog
 from ._cli import add_hf_dataset, add_verbose, hf_dataset_path, parse_args
 
 # Typed writers for the tokenizer keys sharkport reads (GGUFWriter method per key).
@@ -164,7 +164,7 @@ def _gguf_bytes(name: str, weight, layout: dict[str, Any], hp, rope_layout: str)
 @cli_main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m sharkport.tools.to_gguf",
+        prog=prog("sharkport.tools.to_gguf"),
         description="Write a parameter archive or a Hugging Face checkpoint folder as a GGUF file "
                     "(llama family; quantized tensors stay packed, HF Q/K rows are permuted to "
                     "llama.cpp's order).")

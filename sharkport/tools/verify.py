@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import SharkportError, cli_main
+from ..errors import SharkportError, cli_main, prog
 from ._cli import add_archive_source, add_module_files, add_verbose, archive_path, parse_args
 
 
@@ -141,7 +141,7 @@ def _load_transformers(args):
 @cli_main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m sharkport.tools.verify",
+        prog=prog("sharkport.tools.verify"),
         description="Compare a compiled module with the eager recipe (and with transformers, given "
                     "--gguf-file or --model-dir) on prompts and their greedy continuations: max abs "
                     "logits difference, top-1 agreement, pass/fail. Exit 0 if all pass, 1 if not.")
