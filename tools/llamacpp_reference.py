@@ -45,6 +45,7 @@ INSTALL = ('CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_OPENSSL=OFF" 
 PROMPT_LEN = 128
 N_CTX = 512
 TYPES = ("f16", "q8_0", "q4_1", "q4_0")
+MIXES = ("q4_k_m",)  # llama.cpp's own mixtures, as the files people download are made
 
 
 class LlamaCppUnavailable(ImportError):
@@ -83,12 +84,14 @@ def default_source() -> Path:
 
 def quantized_gguf(source: Path, type_name: str, cache_dir: Path, threads: int = 2) -> Path:
     """`cache_dir/<source stem>.<type>.gguf`, made from `source` by llama.cpp's quantizer the first
-    time (pure: every matrix to `type_name`; token_embd as in the module docstring)."""
+    time (pure: every matrix to `type_name`, token_embd as in the module docstring; a MIXES type
+    as llama.cpp mixes it)."""
     llama_cpp = _llama_cpp()
     type_name = type_name.lower()
     types = _types(llama_cpp)
-    if type_name not in types:
-        raise ValueError(f"unknown type {type_name!r}; choose from {', '.join(types)}")
+    mixes = {"q4_k_m": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M}
+    if type_name not in types and type_name not in mixes:
+        raise ValueError(f"unknown type {type_name!r}; choose from {', '.join([*types, *mixes])}")
     source = Path(source)
     if not source.is_file():
         raise FileNotFoundError(f"{source}: no such GGUF file")
@@ -97,14 +100,16 @@ def quantized_gguf(source: Path, type_name: str, cache_dir: Path, threads: int =
     out = cache_dir / f"{source.stem}.{type_name}.gguf"
     if out.is_file() and out.stat().st_size > 0 and out.stat().st_mtime >= source.stat().st_mtime:
         return out
-    ftype, embd = types[type_name]
     params = llama_cpp.llama_model_quantize_default_params()
     params.nthread = threads
-    params.ftype = ftype
     params.allow_requantize = True
-    params.pure = True
-    params.token_embedding_type = embd
-    params.output_tensor_type = embd  # only used if the model has an untied output.weight
+    if type_name in mixes:  # llama.cpp chooses each tensor's type, as for a hub file
+        params.ftype = mixes[type_name]
+    else:
+        params.ftype, embd = types[type_name]
+        params.pure = True
+        params.token_embedding_type = embd
+        params.output_tensor_type = embd  # only used if the model has an untied output.weight
     tmp = out.with_name(out.name + ".tmp")
     llama_cpp.llama_backend_init()
     with _quiet():

@@ -1,10 +1,11 @@
 """The parameter archive (.irpa): streamed, atomic writes and memory-mapped reads. The file's bytes
 are laid out and written by `sharkport.formats.irpa` (no torch there; see its docstring).
 
-Layout (see DESIGN.md §2): plain tensors under their GGUF name, quantized ones as planes
+Layout (docs/archive.md): plain tensors under their GGUF name, quantized ones as planes
 `<name>:<plane>`, every entry carrying turbine's `PYTORCH:` tensor metadata (so
-`iree.turbine.aot.ParameterArchive(...).items()[i][1].as_tensor()` works on it), and one JSON
-entry `METADATA_KEY` with the hyperparameters, tokenizer, rotary layout and tensor layouts.
+`iree.turbine.aot.ParameterArchive(...).items()[i][1].as_tensor()` works on it), then the JSON
+entry `METADATA_KEY` with the hyperparameters, tokenizer, rotary layout and tensor layouts, and
+sharktank's two dataset entries.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The exported ABI in one place (DESIGN.md §3): argument names and shapes, dynamic dims, the
+"""The exported ABI in one place (docs/abi.md): argument names and shapes, dynamic dims, the
 service config JSON. The exporter builds from it and the runner checks inputs against it."""
 
 from __future__ import annotations

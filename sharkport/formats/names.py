@@ -1,6 +1,6 @@
 """Tensor names: Hugging Face ↔ GGUF (llama.cpp) per architecture, and the Q/K rotary permutation.
 
-The archive stores weights under GGUF names (DESIGN.md §2), so an HF checkpoint is renamed on
+The archive stores weights under GGUF names (docs/archive.md), so an HF checkpoint is renamed on
 import with `hf_to_gguf_name`, and tests go back with `gguf_to_hf_name`. Both directions come
 from one table of `{bid}` templates per architecture (`NAMES`, keyed by `general.architecture`),
 where `{bid}` stands for the block (layer) index and `{xid}` for an expert: HF keeps one tensor

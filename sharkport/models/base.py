@@ -39,7 +39,7 @@ class ModelConfig:
 
 
 class CausalLM(torch.nn.Module):
-    """A decoder-only LM with `prefill` and `decode` as in DESIGN.md §3.
+    """A decoder-only LM with `prefill` and `decode` as in docs/abi.md.
 
     prefill(tokens [B, S], seq_lens [B], seq_block_ids [B, S/stride], cache_state [P, E]) → [B, S, V]
         (→ [B, 1, V], the logits at seq_lens - 1, with `ModelConfig.prefill_final_logits`)

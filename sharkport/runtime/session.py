@@ -34,7 +34,7 @@ def _within(a: np.ndarray, end: int) -> bool:
 
 
 class Session:
-    """prefill / decode over a paged cache of `pages` pages (see DESIGN.md §3)."""
+    """prefill / decode over a paged cache of `pages` pages (docs/abi.md)."""
 
     config: ServiceConfig
     pages: int
