@@ -90,7 +90,8 @@ class TextGenerator:
         model = build_model(dataset, ModelConfig(block_seq_stride=block_seq_stride))
         if max_seq_len is None:
             max_seq_len = max(min(model.context_length, 1024) // block_seq_stride, 1) * block_seq_stride
-        pages = pages or batch_size * (max_seq_len // block_seq_stride) + 1  # + the scratch page
+        if pages is None:
+            pages = batch_size * (max_seq_len // block_seq_stride) + 1  # + the scratch page
         config = ExportConfig(bs_prefill=(batch_size,), bs_decode=(batch_size,),
                               block_seq_stride=block_seq_stride, device_block_count=pages,
                               max_seq_len=max_seq_len)
@@ -151,10 +152,17 @@ def _one_of(name: str, value: Any, **aliases: Any) -> Any:
 def encode_prompt(tokenizer, prompt: Prompt, chat: bool = False) -> list[int]:
     """Token ids of a prompt: ids pass through; text is encoded (with the tokenizer's chat
     template first when `chat`, or when the prompt is a list of messages)."""
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+    if isinstance(prompt, list) and not prompt:
+        raise SharkportError("a prompt is empty: give text, token ids or chat messages")
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         return list(prompt)
     if tokenizer is None:
         raise SharkportError("this model has no tokenizer in its archive: give prompts as token ids")
+    if isinstance(prompt, str):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:  # bytes that were not UTF-8, as Python decodes them from argv
+            raise SharkportError(f"prompt {prompt!r} is not valid UTF-8 text") from None
     if isinstance(prompt, list) or chat:
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)

@@ -188,6 +188,21 @@ def test_bad_requests_are_clear_errors(eager, prompts, options, message):
         GenerationRun(eager, prompts, GenerationConfig(**options))
 
 
+@pytest.mark.parametrize("prompt, message", [
+    pytest.param([], "a prompt is empty", id="empty-list"),
+    pytest.param("caf\udce9", "not valid UTF-8", id="invalid-utf8"),
+])
+def test_bad_prompts_are_clear_errors(text_generator, prompt, message):
+    with pytest.raises(SharkportError, match=message):
+        text_generator.generate([prompt], max_new_tokens=2)
+
+
+@pytest.mark.parametrize("pages, message", [(0, "--pages 0"), (-5, "--pages -5"), (10**9, "GiB available")])
+def test_bad_page_counts_are_clear_errors(eager, pages, message):
+    with pytest.raises(SharkportError, match=message):
+        EagerSession(eager.model, eager.config, pages=pages)
+
+
 def test_text_prompt_needs_a_tokenizer(eager):
     with pytest.raises(SharkportError, match="no tokenizer"):
         TextGenerator(eager).generate("hello")
@@ -287,3 +302,22 @@ def test_run_cli_streams_what_it_prints(smollm2_compiled, capsys):
     assert streamed.out == text + "--- finish: length\n"
     for needle in ("prefill:", "time to first token", "tokens/s", "ms per output token"):
         assert needle in printed.err and needle in streamed.err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra, message", [
+    pytest.param(["--device", "bogus://0"], b"--device bogus://0", id="device"),
+    pytest.param(["--pages", "0"], b"--pages 0", id="pages-0"),
+    pytest.param(["--prompt", b"caf\xe9"], b"not valid UTF-8", id="invalid-utf8"),
+    pytest.param(["--seed", "-1", "--do-sample"], b"seed must be", id="seed"),
+])
+def test_run_cli_bad_arguments_are_one_line(smollm2_compiled, extra, message):
+    import subprocess
+    import sys
+
+    vmfb, irpa, config = smollm2_compiled
+    argv = [sys.executable, "-m", "sharkport.run", "--vmfb", str(vmfb), "--irpa-file", str(irpa),
+            "--config", str(config), "--prompt", "hi", "--max-new-tokens", "2", *extra]
+    proc = subprocess.run(argv, capture_output=True, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr

@@ -181,6 +181,7 @@ def test_config_from_dict_and_kwargs():
     pytest.param(dict(min_p=1.5), "min_p", id="min_p-over-one"),
     pytest.param(dict(stop=["a"], stop_strings=["b"]), "give one", id="alias-twice"),
     pytest.param(dict(max_new_tokens=None), "max_new_tokens or max_length", id="no-length"),
+    pytest.param(dict(seed=-1), "seed must be", id="negative-seed"),
 ])
 def test_config_rejects_bad_values(options, message):
     with pytest.raises(SharkportError, match=message):

@@ -64,6 +64,7 @@ class GenerationConfig:
             (0 < self.top_p <= 1, "top_p must lie in (0, 1]"),
             (0 <= self.min_p <= 1, "min_p must lie in [0, 1] (0 turns it off)"),
             (self.repetition_penalty > 0, "repetition_penalty must be > 0 (1 turns it off)"),
+            (_whole(self.seed, allow_none=True), "seed must be a whole number >= 0"),
             (_whole(self.num_return_sequences) and self.num_return_sequences >= 1,
              "num_return_sequences must be a whole number >= 1"),
             (all(self.stop), "stop strings must not be empty"),

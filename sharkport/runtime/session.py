@@ -33,6 +33,42 @@ def _within(a: np.ndarray, end: int) -> bool:
     return not values or (min(values) >= 0 and max(values) < end)
 
 
+def cache_pages(pages: int | None, config: ServiceConfig) -> int:
+    """The cache pages to allocate: `pages`, or the config's device_block_count; refused when not
+    a whole number >= 2 (one page is the padding rows' scratch) or when the cache would not fit
+    in the memory the system has available."""
+    pages = config.device_block_count if pages is None else pages
+    if isinstance(pages, bool) or not isinstance(pages, (int, np.integer)) or pages < 2:
+        raise SharkportError(f"--pages {pages}: give a whole number of KV cache pages, at least 2")
+    itemsize = np.dtype(_NP_CACHE_DTYPES[config.kv_cache_dtype]).itemsize
+    needed = int(pages) * config.page_elems * itemsize * config.tensor_parallelism_size
+    free = _available_bytes()
+    if free is not None and needed > free:
+        raise SharkportError(f"--pages {pages}: the KV cache needs {needed / 2**30:.1f} GiB and the system has "
+                             f"{free / 2**30:.1f} GiB available; give fewer pages")
+    return int(pages)
+
+
+def _device(rt, uri: str, cache: bool):
+    try:
+        return rt.get_device(uri, cache=cache)
+    except (ValueError, RuntimeError) as e:
+        raise SharkportError(f"--device {uri}: not available here ({_one_line(e)}); the CPU devices are "
+                             "local-task and local-sync") from None
+
+
+def _available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 class Session:
     """prefill / decode over a paged cache of `pages` pages (docs/abi.md)."""
 
@@ -162,7 +198,7 @@ class IreeSession(Session):
             if not path.is_file():
                 raise SharkportError(f"{path}: no such file; pass the JSON written by --output-config")
             config = ServiceConfig.from_json(json.loads(path.read_text()), str(path))
-        self.pages = pages or config.device_block_count
+        self.pages = cache_pages(pages, config)
         n = config.tensor_parallelism_size
         self._device_name = device or ("local-sync" if n > 1 else "local-task")
         uris = self._device_name.split(",") if "," in self._device_name else [self._device_name] * n
@@ -170,7 +206,7 @@ class IreeSession(Session):
             raise SharkportError(f"device {self._device_name!r} names {len(uris)} devices; the module runs on {n}")
         if any(uri.startswith("local-task") for uri in uris):
             tune_local_task(rt)
-        devices = [rt.get_device(uri, cache=n == 1) for uri in uris]  # N > 1: N devices, not one shared
+        devices = [_device(rt, uri, n == 1) for uri in uris]  # N > 1: N devices, not one shared
         files, vocab = parameter_files(irpa, n) if n > 1 else ([irpa], None)
         instance = rt.VmInstance()
         index = rt.ParameterIndex()
@@ -298,7 +334,7 @@ class EagerSession(Session):
         if config.vocab_size is None:  # a config read from JSON
             config = replace(config, vocab_size=model.vocab_size)
         self.model, self.config = model, config
-        self.pages = pages or config.device_block_count
+        self.pages = cache_pages(pages, config)
         self._cache = model.new_cache(self.pages)
 
     @torch.no_grad()
