@@ -125,8 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "The difference column is sharkport's perplexity against llama.cpp's on the same file and",
         "tokens: the two compute the same model in different arithmetic (the compiled module",
-        "dequantizes the weights and keeps activations in float32; llama.cpp multiplies quantized",
-        "activations by quantized weights in its CPU kernels), and both keep the KV cache in float16.",
+        "dequantizes the weights and keeps activations in float32; llama.cpp's CPU kernels round the",
+        "activations to 8-bit blocks, or to float16 for F16 weights, before each product), and both",
+        "keep the KV cache in float16.",
         "",
     ]
     args.output.write_text("\n".join(lines))

@@ -25,8 +25,9 @@ from ..errors import SharkportError
 from ..formats.irpa import (ARCHIVE_VERSION, METADATA_KEY, Slot, copy_range, tensor_metadata, with_metadata, write_at,
                             write_slots)
 
-__all__ = ["ARCHIVE_VERSION", "METADATA_KEY", "Entry", "entry_metadata", "write_archive", "index_metadata", "read_archive"]
-from ..quant import PLAIN_TYPES
+__all__ = ["ARCHIVE_VERSION", "METADATA_KEY", "Entry", "entry_metadata", "write_archive", "index_metadata",
+           "parse_metadata", "read_archive"]
+from ..quant import BLOCK_TYPES, PLAIN_TYPES
 from .tensors import QuantizedTensor, Weight
 
 _TORCH_NAMES = {
@@ -93,13 +94,51 @@ def write_archive(path: str | os.PathLike, entries: Iterable[Entry], metadata: d
         write_slots(path, all_slots, fill)
 
 
-def index_metadata(index) -> dict[str, Any] | None:
+def parse_metadata(raw: bytes, path: Any) -> dict[str, Any]:
+    """The bytes of an archive's METADATA_KEY entry as metadata, checked for what every reader
+    relies on (an object with hparams and tensors, each tensor a known type, a shape of whole
+    numbers, its type's planes); else one SharkportError naming `path`."""
+    try:
+        metadata = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise SharkportError(f"{path}: its {METADATA_KEY} entry is not JSON ({e}); re-create the archive") from None
+    problem = _metadata_problem(metadata)
+    if problem:
+        raise SharkportError(f"{path}: its {METADATA_KEY} metadata {problem}; re-create the archive")
+    return metadata
+
+
+def _metadata_problem(m: Any) -> str | None:
+    if not isinstance(m, dict):
+        return "is not a JSON object"
+    if not isinstance(m.get("hparams"), dict):
+        return "has no hparams object"
+    if not isinstance(m.get("tensors"), dict):
+        return "has no tensors object"
+    if m.get("tokenizer") is not None and not isinstance(m["tokenizer"], dict):
+        return "has a tokenizer that is not an object"
+    if m.get("rope_layout", "interleaved") not in ("interleaved", "half"):
+        return f"has an unknown rope_layout {m['rope_layout']!r}"
+    for name, layout in m["tensors"].items():
+        kind = layout.get("type") if isinstance(layout, dict) else None
+        if kind not in PLAIN_TYPES and kind not in BLOCK_TYPES:
+            return f"gives tensor {name} no known type ({kind!r})"
+        shape = layout.get("shape")
+        if not isinstance(shape, list) or not shape or \
+                not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            return f"gives tensor {name} the shape {shape!r}, not a list of whole numbers"
+        if kind in BLOCK_TYPES and layout.get("planes") != [f for f, _, _ in BLOCK_TYPES[kind].fields]:
+            return f"lists the planes {layout.get('planes')!r} for tensor {name} of type {kind}"
+    return None
+
+
+def index_metadata(index, path: Any = "the archive") -> dict[str, Any] | None:
     """The sharkport metadata among the archives loaded into an `iree.runtime.ParameterIndex`, or
     None when none of them has it (the runtime's reader, without turbine's)."""
     entries = dict(index.items())
     if METADATA_KEY not in entries:
         return None
-    return json.loads(bytes(np.asarray(entries[METADATA_KEY].file_view)))
+    return parse_metadata(bytes(np.asarray(entries[METADATA_KEY].file_view)), path)
 
 
 def read_archive(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Weight], Any]:
@@ -119,16 +158,23 @@ def read_archive(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Wei
             f"{path}: has no {METADATA_KEY} entry, so it was not written by sharkport; "
             "re-import the model with `python -m sharkport.tools.dump_gguf --output-irpa`"
         )
-    metadata = json.loads(bytes(np.asarray(entries[METADATA_KEY].raw.file_view)))
+    metadata = parse_metadata(bytes(np.asarray(entries[METADATA_KEY].raw.file_view)), path)
 
     def tensor(key: str) -> torch.Tensor:
         if key not in entries:
             raise SharkportError(f"{path}: tensor entry {key} is missing; re-create the archive")
-        meta = json.loads(entries[key].raw.metadata.decode().removeprefix("PYTORCH:"))
         raw = np.asarray(entries[key].raw.file_view)
+        try:
+            meta = json.loads(entries[key].raw.metadata.decode().removeprefix("PYTORCH:"))
+            dtype, shape = _NAME_TO_TORCH[meta["dtype"]], [int(d) for d in meta["shape"]]
+            if raw.nbytes != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+                raise ValueError(f"{raw.nbytes} bytes for {meta['dtype']} {shape}")
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+            raise SharkportError(f"{path}: entry {key} has no valid tensor description ({e}); "
+                                 "re-create the archive") from None
         with _quiet_readonly():
             flat = torch.from_numpy(raw)
-        return flat.view(_NAME_TO_TORCH[meta["dtype"]]).view(meta["shape"])
+        return flat.view(dtype).view(shape)
 
     weights: dict[str, Weight] = {}
     for name, layout in metadata["tensors"].items():

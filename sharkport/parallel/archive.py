@@ -45,7 +45,7 @@ def parameter_files(root: str | os.PathLike, size: int) -> tuple[list[Path], int
 
     index = rt.ParameterIndex()
     index.load(str(root), mmap=True)
-    tp = (index_metadata(index) or {}).get(METADATA_FIELD, {})
+    tp = (index_metadata(index, root) or {}).get(METADATA_FIELD, {})
     if tp.get("size") != size or "rank" in tp:
         raise SharkportError(f"{root}: the module runs on {size} devices, so pass the root archive written "
                              f"with it by --tensor-parallelism-size {size} (--output-irpa)")

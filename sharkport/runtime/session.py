@@ -164,7 +164,7 @@ def _embedding_rows(index, irpa) -> int:
     from ..archive.irpa import index_metadata
 
     try:
-        return int(index_metadata(index)["tensors"]["token_embd.weight"]["shape"][0])
+        return int(index_metadata(index, irpa)["tensors"]["token_embd.weight"]["shape"][0])
     except (KeyError, IndexError, TypeError, ValueError):
         raise SharkportError(
             f"{irpa}: no token_embd.weight in the archive metadata, so the vocabulary size is "

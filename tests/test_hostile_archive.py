@@ -1,0 +1,93 @@
+"""Archives whose metadata or entry descriptions are damaged: every reader (Dataset.load, the
+export and the runner's session) stops with one line naming the archive, never a traceback."""
+
+import json
+
+import numpy as np
+import pytest
+
+from run_cli import run
+from sharkport.archive import Dataset
+from sharkport.archive.irpa import METADATA_KEY
+from sharkport.errors import SharkportError
+
+
+def _rewrite(source, target, metadata_blob=None, entry_description=None):
+    """`source` copied entry by entry with IREE's own archive builder into `target`, the metadata
+    entry replaced by `metadata_blob` (bytes) and/or token_embd.weight's description by
+    `entry_description` (str)."""
+    import iree.runtime as rt
+    from iree.turbine.aot import ParameterArchive
+
+    index = rt.ParameterIndex()
+    for key, entry in ParameterArchive(source).items():
+        data = bytes(np.asarray(entry.raw.file_view))
+        if key == METADATA_KEY and metadata_blob is not None:
+            data = metadata_blob
+        description = entry.raw.metadata.decode()
+        if key == "token_embd.weight" and entry_description is not None:
+            description = entry_description
+        index.add_buffer(key, data, metadata=description or None)
+    index.create_archive_file(str(target))
+    return target
+
+
+def _metadata(irpa):
+    from iree.turbine.aot import ParameterArchive
+
+    entries = dict(ParameterArchive(irpa).items())
+    return json.loads(bytes(np.asarray(entries[METADATA_KEY].raw.file_view)))
+
+
+def _cases(meta):
+    def edited(**changes):
+        m = json.loads(json.dumps(meta))
+        for path, value in changes.items():
+            *parents, leaf = path.split("/")
+            target = m
+            for p in parents:
+                target = target[p]
+            if value is None:
+                del target[leaf]
+            else:
+                target[leaf] = value
+        return json.dumps(m).encode()
+
+    return {
+        "not-json": (b"{not json", None, "is not JSON"),
+        "not-utf8": (b"\xff\xfe\x00", None, "is not JSON"),
+        "a-list": (b"[1, 2]", None, "is not a JSON object"),
+        "no-tensors": (edited(tensors=None), None, "has no tensors object"),
+        "bad-type": (edited(**{"tensors/token_embd.weight/type": "Q9_9"}), None, "no known type"),
+        "bad-shape": (edited(**{"tensors/token_embd.weight/shape": [-1, "x"]}), None, "not a list of whole numbers"),
+        "bad-rope": (edited(rope_layout="sideways"), None, "unknown rope_layout"),
+        "entry-dtype": (None, 'PYTORCH:{"dtype": "complex64", "shape": [1]}', "no valid tensor description"),
+        "entry-shape": (None, 'PYTORCH:{"dtype": "float32", "shape": [3, 3]}', "no valid tensor description"),
+        "entry-not-json": (None, "PYTORCH:{", "no valid tensor description"),
+    }
+
+
+CASES = ["not-json", "not-utf8", "a-list", "no-tensors", "bad-type", "bad-shape", "bad-rope", "entry-dtype",
+         "entry-shape", "entry-not-json"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_damaged_archive_is_one_clear_error(irpa_of, tmp_path, case):
+    source = irpa_of("gqa-untied")
+    blob, description, message = _cases(_metadata(source))[case]
+    bad = _rewrite(source, tmp_path / "bad.irpa", blob, description)
+    with pytest.raises(SharkportError, match=message) as e:
+        Dataset.load(bad)
+    assert str(bad) in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("case", ["not-json", "bad-shape", "entry-dtype"])
+def test_export_of_damaged_archive_is_one_line(irpa_of, tmp_path, case):
+    source = irpa_of("gqa-untied")
+    blob, description, message = _cases(_metadata(source))[case]
+    bad = _rewrite(source, tmp_path / "bad.irpa", blob, description)
+    proc = run("sharkport.export", "--irpa-file", str(bad), "--output-mlir", str(tmp_path / "x.mlir"),
+               "--output-config", str(tmp_path / "x.json"), check_rc=2)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "x.mlir").exists()
