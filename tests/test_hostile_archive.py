@@ -91,3 +91,24 @@ def test_export_of_damaged_archive_is_one_line(irpa_of, tmp_path, case):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in proc.stderr, proc.stderr
     assert not (tmp_path / "x.mlir").exists()
+
+
+@pytest.mark.parametrize("count", [10**12, 1, 0], ids=["huge", "fewer", "zero"])
+def test_block_count_must_be_the_blocks_present(irpa_of, tmp_path, count):
+    """A block count the tensors do not back (the tiny model has 2 blocks) is refused before a
+    model is built from it, and `check` reports it in one problem line, at once."""
+    import time
+
+    from sharkport.models import build_model
+
+    source = irpa_of("gqa-untied")
+    meta = _metadata(source)
+    meta["hparams"]["llama.block_count"] = count
+    bad = _rewrite(source, tmp_path / "bad.irpa", json.dumps(meta).encode())
+    with pytest.raises(SharkportError, match=f"block_count is {count}, but the tensors hold 2 blocks"):
+        build_model(Dataset.load(bad))
+    t0 = time.perf_counter()
+    proc = run("sharkport.tools.check", "--irpa-file", str(bad), check_rc=1)
+    assert time.perf_counter() - t0 < 60
+    found = sum("block_count" in line for line in proc.stdout.splitlines())
+    assert found == 1 if count > 2 else 1 <= found <= 20, proc.stdout  # one line, or one per extra tensor

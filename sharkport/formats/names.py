@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 from ..errors import SharkportError
 
-__all__ = ["LLAMA_NAMES", "NAMES", "gguf_rope_layout", "gguf_to_hf_name", "hf_to_gguf", "hf_to_gguf_name",
+__all__ = ["LLAMA_NAMES", "NAMES", "block_indices", "gguf_rope_layout", "gguf_to_hf_name", "hf_to_gguf", "hf_to_gguf_name",
            "permute_qk", "unpermute_qk"]
 
 # HF template → GGUF template. One row per tensor; `{bid}` is the block index.
@@ -98,6 +98,14 @@ NAMES: dict[str, dict[str, str]] = {
 # How llama.cpp's converter leaves the rotary pairs of Q/K: it permutes them to adjacent pairs
 # only for `llama` (Mistral and Mixtral included); Qwen2 and Gemma-3 keep HF's (NEOX) order.
 _GGUF_ROPE_LAYOUT = {"llama": "interleaved"}
+
+
+_BLOCK = re.compile(r"blk\.(\d+)\.")
+
+
+def block_indices(names) -> set[int]:
+    """The transformer blocks (the N of `blk.N.*`) that tensors named `names` belong to."""
+    return {int(m.group(1)) for m in map(_BLOCK.match, names) if m}
 
 
 def gguf_rope_layout(arch: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ..archive import Dataset
 from ..errors import SharkportError
+from ..formats.names import block_indices
 from .base import CausalLM, ModelConfig
 from .gemma3 import Gemma3
 from .gpt2 import GPT2
@@ -35,6 +36,12 @@ def build_model(dataset: Dataset, config: ModelConfig | None = None) -> CausalLM
             f"{dataset.path}: architecture {arch!r} (general.architecture) has no recipe; "
             f"known architectures: {', '.join(sorted(RECIPES))}"
         )
+    # the count that sizes every loop over the layers must be the blocks the archive holds
+    count, blocks = dataset.hparams.get(f"{arch}.block_count"), block_indices(dataset.metadata["tensors"])
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1 or count != len(blocks) \
+            or blocks != set(range(len(blocks))):
+        raise SharkportError(f"{dataset.path}: {arch}.block_count is {count!r}, but the tensors hold "
+                             f"{len(blocks)} blocks (blk.0 ..); re-create the archive or fix its metadata")
     try:
         return RECIPES[arch](dataset, config or ModelConfig())
     except SharkportError as e:  # hyperparameter errors do not know the file: name it

@@ -30,7 +30,7 @@ from ..errors import SharkportError, cli_main, prog
 from ..formats import keys
 from ..formats.gguf import GgufFile, read_gguf
 from ..formats.keys import HPARAMS, LLAMA_KEYS, LlamaHParams
-from ..formats.names import LLAMA_NAMES
+from ..formats.names import LLAMA_NAMES, block_indices
 from ..quant import BLOCK_TYPES, PLAIN_TYPES, SUPPORTED_TYPES
 from ._cli import add_model_source, add_verbose, hf_dataset_path
 
@@ -165,8 +165,11 @@ def check_tensors(hparams: dict[str, Any], layouts: dict[str, dict[str, Any]],
                         "token ids past the table would read out of bounds")
     dims = {"E": hp.embedding_length, "F": hp.feed_forward_length, "V": vocab,
             "H*D": hp.head_count * hp.head_dim, "Hkv*D": hp.head_count_kv * hp.head_dim}
+    present = len(block_indices(layouts))
+    if hp.block_count > present:  # one line, not one per missing tensor of a count the file only claims
+        problems.append(f"{hp.arch}.block_count is {hp.block_count}, but the tensors hold {present} blocks")
     for template, symbols in LLAMA_SHAPES.items():
-        for bid in range(hp.block_count) if "{bid}" in template else [None]:
+        for bid in range(min(hp.block_count, present)) if "{bid}" in template else [None]:
             name = template.format(bid=bid)
             expected = [dims[s] for s in symbols]
             if name not in layouts:
