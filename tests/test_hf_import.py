@@ -234,6 +234,23 @@ BROKEN = {
 }
 
 
+@pytest.mark.parametrize("key, value, message", [
+    ("rms_norm_eps", -1e-5, r"layer_norm_rms_epsilon is -1e-05; it must be a finite number above 0"),
+    ("rope_theta", -10000.0, r"rope.freq_base is -10000.0; it must be a finite number above 0"),
+    ("max_position_embeddings", -1, r"context_length is -1; it must be a whole number above 0"),
+    ("partial_rotary_factor", 0.0, r"rope.dimension_count is 0; it must be a whole number above 0"),
+    ("num_hidden_layers", 0, r"block_count is 0; it must be a whole number above 0"),
+])
+def test_out_of_range_config_is_one_line_error(tiny, tmp_path, capsys, key, value, message):
+    """config.json values that would size nothing or give NaN logits are refused at import."""
+    d = _copy(tiny["gqa-untied"].hf_dir, tmp_path / "ckpt")
+    config = json.loads((d / "config.json").read_text())
+    nested = config.get("rope_parameters") or {}
+    (nested if key in nested else config)[key] = value  # transformers 5 keeps rope_theta in rope_parameters
+    (d / "config.json").write_text(json.dumps(config))
+    check_import_refused(d, tmp_path, capsys, message)
+
+
 @pytest.mark.parametrize("case", params(BROKEN))
 def test_bad_checkpoint_is_one_line_error(tiny, sharded_dir, tmp_path, capsys, case):
     layout, breaker, message = BROKEN[case]

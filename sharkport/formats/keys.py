@@ -13,6 +13,7 @@ types and defaults, so a recipe reads its HParams class and never a raw key:
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -65,6 +66,12 @@ GPT2_KEYS: dict[str, tuple[str, Any]] = {
     "vocab_size": ("vocab_size", None),
 }
 
+_POSITIVE_INTS = {"block_count", "embedding_length", "feed_forward_length", "head_count", "head_count_kv",
+                  "head_dim", "rope_dim", "context_length", "vocab_size"}
+_POSITIVE_FLOATS = {"rope_freq_base", "rms_eps", "norm_eps", "rope_freq_base_swa"}
+_NON_NEGATIVE = {"sliding_window", "expert_count", "expert_used_count", "attention_scale",
+                 "final_logit_softcapping", "attn_logit_softcapping"}
+
 OPTIONAL_FIELDS = ("sliding_window", "expert_count", "expert_used_count", "sliding_window_pattern",
                    "rope_freq_base_swa", "attention_scale", "final_logit_softcapping",
                    "attn_logit_softcapping")
@@ -76,6 +83,19 @@ class HParams:
 
     KEYS: ClassVar[dict[str, tuple[str, Any]]] = {}
     arch: str
+
+    def __post_init__(self):
+        """Sizes must be whole numbers above 0 and scales finite and above 0 (a file's word for
+        them sizes every allocation and a negative epsilon gives NaN logits); the optional
+        counts and caps are at least 0."""
+        for f in dataclasses.fields(self):
+            value, name = getattr(self, f.name), f"{self.arch}.{self.KEYS.get(f.name, (f.name,))[0]}"
+            if f.name in _POSITIVE_INTS and not (isinstance(value, int) and value > 0):
+                raise SharkportError(f"{name} is {value!r}; it must be a whole number above 0")
+            if f.name in _POSITIVE_FLOATS and not (math.isfinite(value) and value > 0):
+                raise SharkportError(f"{name} is {value!r}; it must be a finite number above 0")
+            if f.name in _NON_NEGATIVE and isinstance(value, (int, float)) and not value >= 0:
+                raise SharkportError(f"{name} is {value!r}; it must be at least 0")
 
     @classmethod
     def from_metadata(cls, metadata: dict[str, Any], vocab_size: int | None = None):
@@ -135,6 +155,7 @@ class LlamaHParams(HParams):
     expert_used_count: int = 0
 
     def __post_init__(self):
+        super().__post_init__()
         if self.head_count % self.head_count_kv:
             raise SharkportError(
                 f"{self.arch}.attention.head_count ({self.head_count}) is not a multiple of "
