@@ -224,6 +224,13 @@ def _break_no_config(d: Path) -> None:
     (d / "config.json").unlink()
 
 
+def _break_shard_outside(d: Path) -> None:
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = "/etc/passwd"
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
 BROKEN = {
     "unknown-arch": ("single", _break_unknown_arch, r"BertForMaskedLM.*not supported"),
     "shape-mismatch": ("single", _break_shape, r"model\.layers\.0\.mlp\.(gate|up|down)_proj\.weight has shape"),
@@ -231,6 +238,7 @@ BROKEN = {
     "missing-tensor": ("sharded", _break_missing_tensor, r"missing tensors blk\.1\.ffn_up\.weight"),
     "unknown-tensor": ("single", _break_extra_tensor, r"model\.layers\.0\.mlp\.up_proj\.bias"),
     "no-config": ("single", _break_no_config, r"config\.json: missing"),
+    "shard-outside": ("sharded", _break_shard_outside, r"weight_map names '/etc/passwd', not a file in the checkpoint"),
 }
 
 

@@ -331,6 +331,10 @@ def _tensor_files(path: Path) -> dict[str, Path]:
         weight_map = _read_json(path / _INDEX, _INDEX).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise SharkportError(f"{path / _INDEX}: has no weight_map; re-download it")
+        for shard in set(weight_map.values()):  # file names beside the index, nothing elsewhere
+            if not isinstance(shard, str) or Path(shard).name != shard or shard in (".", ".."):
+                raise SharkportError(f"{path / _INDEX}: weight_map names {shard!r}, not a file in the "
+                                     "checkpoint folder; re-download the index")
         files = {name: path / shard for name, shard in weight_map.items()}
         for shard in sorted(set(files.values())):
             if not shard.is_file():
