@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -16,7 +18,8 @@ def atomic_output(path: str | os.PathLike, suffix: str = "", swap: bool = False)
     existing file is swapped out rather than renamed over (see `swap_in`: faster for big files)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix + ".tmp", dir=path.parent)
+    remove_stale_temporaries(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=suffix + ".tmp", dir=path.parent)
     os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it 0600; give the output a normal file's mode
     os.close(fd)
     tmp = Path(tmp)
@@ -28,6 +31,29 @@ def atomic_output(path: str | os.PathLike, suffix: str = "", swap: bool = False)
             os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def remove_stale_temporaries(path: Path) -> list[Path]:
+    """Deletes the temporaries of `path` that a killed writer left (its process is gone); a
+    temporary of a live process stays. Returns what was deleted."""
+    pattern = re.compile(rf"^\.{re.escape(path.name)}\.(\d+)\..*\.tmp$")
+    removed = []
+    for candidate in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        m = pattern.match(candidate.name)
+        if m and not _alive(int(m.group(1))):
+            candidate.unlink(missing_ok=True)
+            removed.append(candidate)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 _RENAME_EXCHANGE = 2  # linux/fs.h

@@ -132,6 +132,20 @@ def test_sigkill_mid_write_leaves_the_old_archive(tmp_path):
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, "the import finished before it could be killed"
     assert target.read_bytes() == b"the previous archive"
+    # the killed writer's temporary stays until the next write of the same file removes it
+    assert list(tmp_path.glob(".out.irpa.*"))
+    import_gguf(tmp_path / "big.gguf", target, progress=False)
+    assert not list(tmp_path.glob(".out.irpa.*")) and target.stat().st_size > 4 * big.nbytes
+
+
+def test_a_live_writers_temporary_is_kept(tmp_path):
+    from sharkport.fileio import atomic_output, remove_stale_temporaries
+
+    target = tmp_path / "x.bin"
+    with atomic_output(target) as tmp:
+        tmp.write_bytes(b"half")
+        assert remove_stale_temporaries(target) == [] and tmp.exists()  # this process is alive
+    assert target.read_bytes() == b"half"
 
 
 def _iree_archive(gguf_path, irpa, metadata):
