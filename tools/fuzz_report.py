@@ -35,6 +35,10 @@ after changing the GGUF reader or the importer.
 | A SIGKILL while writing leaves the old output or none, never a partial one: `.irpa`, `.mlir`, service config, `.vmfb`, `.gguf` | `tests/test_archive.py::test_sigkill_mid_write_leaves_the_old_archive`, `tests/test_kill.py` |
 | `sharkport.tools.check` reports every mismatch between an archive's metadata and its tensors at once; `dump_gguf --check` also finds NaN/inf values and scales | `tests/test_check.py` |
 | Runtime inputs are checked before IREE sees them; page 0 is an ordinary page; running out of pages is an error that leaves other sequences' cache intact | `tests/test_runtime.py` |
+| A damaged archive (metadata that is not JSON or lacks what readers need, unknown types, bad shapes or planes, entry descriptions that disagree with their bytes) stops every reader with one line naming it; a model is built only when `block_count` is the number of blocks the tensors hold | `tests/test_hostile_archive.py` |
+| Hyperparameters from GGUF keys and `config.json` alike are range-checked (sizes above 0, finite positive epsilons and rope bases); a shard index names only files in its folder | `tests/test_hf_import.py::test_out_of_range_config_is_one_line_error`, `test_bad_checkpoint_is_one_line_error` |
+| The runner's and the API's arguments (`--pages`, `--device`, `--seed`, prompts that are not UTF-8 or empty) are one line, exit 2 | `tests/test_generation.py` |
+| A temporary left by a killed writer is deleted by the next write of the same file | `tests/test_archive.py::test_sigkill_mid_write_leaves_the_old_archive` |
 
 How the GGUF reader stays safe: `sharkport/formats/gguf.py` reads the header itself, field by
 field, with bounds checks. Every count and length is weighed against the bytes left in the file
