@@ -351,6 +351,7 @@ class Tokenizer:
     chat_template: str | None
 
     def __init__(self) -> None:  # use from_gguf_metadata
+        self.source: str | None = None  # the model file, named in chat-template errors
         self._specials: list[tuple[str, int]] = []
         self._piece_bytes: list[bytes] = []
         self._is_special: list[bool] = []
@@ -717,7 +718,8 @@ class Tokenizer:
                 "GGUF metadata has no tokenizer.chat_template: format the prompt yourself "
                 "or use a GGUF converted with its chat template"
             )
-        template = _compile_template(self.chat_template)
+        from .chat_template import compile_template, render
+
         values = {
             "bos_token": self._token_text(self.bos_id),
             "eos_token": self._token_text(self.eos_id),
@@ -726,15 +728,10 @@ class Tokenizer:
         }
         values.update(kwargs)
         try:
-            return template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **values
-            )
-        except Exception as e:  # raise_exception(...) in the template, undefined names, ...
-            if not isinstance(e, _TemplateError) and type(e).__module__.split(".")[0] != "jinja2":
-                raise
-            raise SharkportError(
-                f"tokenizer.chat_template failed on these messages: {' '.join(str(e).split())}"
-            ) from None
+            return render(compile_template(self.chat_template), messages=messages,
+                          add_generation_prompt=add_generation_prompt, **values)
+        except SharkportError as e:
+            raise SharkportError(f"{self.source}: {e}" if self.source else str(e)) from None
 
     def _token_text(self, token_id: int | None) -> str:
         if token_id is None:
@@ -929,43 +926,3 @@ def _clean_cut(text: str) -> int:
         cut = p
 
 
-# ---------------------------------------------------------------------------------------------
-# Chat templates
-# ---------------------------------------------------------------------------------------------
-
-
-class _TemplateError(Exception):
-    pass
-
-
-def _compile_template(source: str) -> Any:
-    try:
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError:  # pragma: no cover - jinja2 comes with torch/transformers
-        raise SharkportError(
-            "rendering tokenizer.chat_template needs jinja2: pip install jinja2"
-        ) from None
-    import json
-    from datetime import datetime
-
-    def raise_exception(message: str) -> None:
-        raise _TemplateError(message)
-
-    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-               sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateError as e:
-        raise SharkportError(
-            f"tokenizer.chat_template is not a valid Jinja2 template: {' '.join(str(e).split())}"
-        ) from None

@@ -39,6 +39,7 @@ after changing the GGUF reader or the importer.
 | Hyperparameters from GGUF keys and `config.json` alike are range-checked (sizes above 0, finite positive epsilons and rope bases); a shard index names only files in its folder | `tests/test_hf_import.py::test_out_of_range_config_is_one_line_error`, `test_bad_checkpoint_is_one_line_error` |
 | The runner's and the API's arguments (`--pages`, `--device`, `--seed`, prompts that are not UTF-8 or empty) are one line, exit 2 | `tests/test_generation.py` |
 | A temporary left by a killed writer is deleted by the next write of the same file | `tests/test_archive.py::test_sigkill_mid_write_leaves_the_old_archive` |
+| A model file's chat template renders in Jinja2's immutable sandbox within 2,000,000 steps, 10 s and 4,000,000 characters per string or output, with no file access; a hostile or broken one is one line naming the file | `tests/test_chat_template.py` |
 
 How the GGUF reader stays safe: `sharkport/formats/gguf.py` reads the header itself, field by
 field, with bounds checks. Every count and length is weighed against the bytes left in the file

@@ -76,7 +76,9 @@ class Dataset(ArchiveMetadata):
 
         if not self.metadata.get("tokenizer"):
             raise SharkportError(f"{self.path}: carries no tokenizer; pass token ids instead of text")
-        return Tokenizer.from_gguf_metadata(self.metadata["tokenizer"])
+        tokenizer = Tokenizer.from_gguf_metadata(self.metadata["tokenizer"])
+        tokenizer.source = str(self.path)
+        return tokenizer
 
 
 def _is_gguf(path: Path) -> bool:
