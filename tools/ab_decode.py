@@ -15,8 +15,7 @@ ones): one position a step from 128, back to 128 past 512, so that the default 1
 steps reach about position 300, further than the bench's 6 rounds of 4 (attention grows with it).
 
 Where a module's weights land as it loads moves its speed: copies of one module loaded in one
-process decoded up to 11% apart, steadily over 12 rounds (session 22: 1.000, 0.978 and 1.064 at
-bs1; 1.000, 1.078 and 1.111 at bs4), which is more than many changes gain. So each load (a
+process decoded up to 11% apart, steadily over 12 rounds, which is more than many changes gain. So each load (a
 process of its own) gives one ratio, and a change counts when its ratios over several loads
 agree; raise --loads where they do not.
 """

@@ -233,7 +233,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="interleaved measuring rounds (default 6)")
     parser.add_argument("--loads", type=int, default=2,
                         help="sessions of each module measured in the same rounds, their steps pooled (default 2): "
-                             "loads of one module decode up to 11%% apart here (docs/performance.md, session 22)")
+                             "loads of one module decode up to 11%% apart (docs/performance.md)")
     parser.add_argument("--reuse", action="store_true",
                         help="reuse archives and modules already in --work-dir (export/compile not timed)")
     parser.add_argument("--no-matvec-kernels", action="store_true",

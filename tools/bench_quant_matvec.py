@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """How fast IREE runs a quantized matrix-vector product, for several ways of writing it
-(docs/performance.md, "What bounds decode"):
+(docs/performance.md, what bounds decode):
 
     python tools/bench_quant_matvec.py [--rows 1] [--repeat 10] [--only-kernels]
 

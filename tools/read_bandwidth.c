@@ -2,9 +2,8 @@
 // (default: every CPU this process may use) each sum their share of a BYTES buffer (default
 // 512 MiB, far beyond the caches) with independent vector accumulators, REPEAT times; prints the
 // best rate in bytes/s. The buffer is on 2 MiB pages where Linux gives them (MADV_HUGEPAGE), as
-// a session's weights are (sharkport/runtime/hugepages.py), unless SHARKPORT_HUGE_PAGES=0: on
-// this project's VM the same loop read 27.5 to 29.3 GB/s on 4 KiB pages and 31.5 to 33.6 on 2 MiB
-// ones, five runs of each alternating (docs/performance.md, session 28). Built and run by
+// a session's weights are (sharkport/runtime/hugepages.py), unless SHARKPORT_HUGE_PAGES=0: in a
+// virtual machine 4 KiB pages read about 10% slower. Built and run by
 // tools/bench.py with the system C compiler:
 //
 //     cc -O2 -march=native -pthread tools/read_bandwidth.c -o read_bandwidth && ./read_bandwidth [BYTES [THREADS [REPEAT]]]

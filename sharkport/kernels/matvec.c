@@ -33,11 +33,9 @@
 #define INLINE static inline __attribute__((always_inline))
 #define NOINLINE static __attribute__((noinline))
 // Q8_0 weights (with AVX-512, at two or more rows of x: see q8_x8_zmm), and Q4 weights interleaved
-// eight rows at a time (q4_x8), are fetched ahead (since session 31 in two steps where interleaved,
-// see FAR_AHEAD). PREFETCH bytes ahead in one step, against none: SmolLM2 Q8_0 decode through the
-// runner 7.40 -> 6.80 ms (AVX2, rows as stored); Q4_1 four rows at a time (the loop q4_x8 replaced)
-// 1536x576 from memory in tools/matvec_harness.c 15.5 -> 16.5 GB/s, four rows of x 7.3 -> 9.0.
-// (F16 took 5% longer, and Q4 one row at a time gained nothing.)
+// eight rows at a time (q4_x8), are fetched ahead: PREFETCH bytes ahead in one step, or in two
+// where interleaved (see FAR_AHEAD), which reads them faster than the hardware's prefetch alone.
+// (F16 one row at a time, and Q4 one row at a time, gained nothing from it.)
 #define PREFETCH 2048
 #define PREFETCH_LINE(p) _mm_prefetch((const char *)(p) + PREFETCH, _MM_HINT_T0)
 // The Q4 x8 loops, Q8_0's AVX-512 loop at two or more rows of x, and F16's loops at two or more
@@ -1486,12 +1484,8 @@ INLINE void group_page(const int f16, size_t hg, const float *q, float *acc, flo
 // rows at once, then each next page's along the way. MAX_GD (query heads per workgroup times
 // head_dim) and MAX_STRIDE come from CFLAGS.
 //
-// Both (session 27), SmolLM2's shapes in tools/attention_harness.c (1 thread, float16 cache, us a
-// step), before -> query heads in threes -> and the first page fetched at once: 64 positions in
-// the caches 132 -> 101 -> 104; 200 positions from memory (16 caches) 525 -> 477 -> 378; 480 (4
-// caches) 1054 -> 889 -> 759. Fetching two pages at once gained no more, and all of them lost.
-// SmolLM2 Q4_1 decode (tools/ab_decode.py, 6 and 10 loads): bs1 0.961 and 0.981 of the time, bs4
-// 0.974 and 1.004; logits bit-identical.
+// Both save time from memory (tools/attention_harness.c times them on SmolLM2's shapes); fetching
+// two pages at once gained no more, and all of them lost.
 INLINE void attention(const int f16, const float *q, const float *knew, const float *vnew, void *cache,
                       const int64_t *pages, const int64_t *starts, const int64_t *lens, const int64_t *layer,
                       const float *rcos, const float *rsin, float *out, size_t blocks, size_t H, size_t Hkv, size_t D,

@@ -25,7 +25,7 @@ class ModelConfig:
     block_seq_stride: int = 32
     dtype: torch.dtype = torch.float32  # activations
     # K and V rounded to float16 as llama.cpp's default cache: half the memory and half the bytes
-    # decode attention reads of float32 (docs/performance.md, session 26); float32 keeps them exact
+    # decode attention reads of float32; float32 keeps them exact
     kv_cache_dtype: torch.dtype = torch.float16
     # prefill returns only each sequence's last logits, [B, 1, V] (skips the output projection
     # of every other position)

@@ -13,7 +13,7 @@
   4% faster). With the matvec kernels, the products after the norms normalize x themselves
   (ops.normed), and decode's norms need no dispatch at all.
 
-docs/performance.md ("Where a prefill goes", "Where a decode step goes") has the measurements.
+`tools/profile_step.py` measures where a prefill or a decode step goes.
 """
 
 from __future__ import annotations

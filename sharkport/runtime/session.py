@@ -26,7 +26,7 @@ _NP_CACHE_DTYPES = {"float32": np.float32, "float16": np.float16}
 def _within(a: np.ndarray, end: int) -> bool:
     """Whether every element of the int64 array a lies in [0, end). A decode step's arrays (a few
     dozen values) go through Python's min and max: numpy's reductions, with the caches cold after
-    a call, took most of the checks' time (docs/performance.md, session 23)."""
+    a call, took most of the checks' time."""
     if a.size > 4096:
         return bool(a.min() >= 0 and a.max() < end)
     values = a.ravel().tolist()
@@ -101,8 +101,7 @@ class Session:
             raise SharkportError(
                 f"{kind}: {blocks * stride} positions exceed max_seq_len {c.max_seq_len} of the export")
         # As few numpy calls as will do: right after a decode call the caches hold the weights,
-        # not this code, and each call took several us (the checks 115 us a step against 21 in
-        # a loop; see docs/performance.md, session 22).
+        # not this code, and each numpy call costs several us there.
         lens = seq_lens.tolist()
         if min(lens) < 1 or max(lens) > blocks * stride:
             raise SharkportError(f"{kind}: seq_lens {lens} must lie in 1..{blocks * stride}")
@@ -132,14 +131,13 @@ SPIN_US = 20  # how long an idle local-task worker waits for the next dispatch b
 
 def tune_local_task(rt) -> None:
     """Tunes local-task devices for decode latency, once per process (before its first device):
-    - one worker per CPU this process may run on. IREE's default topology (`physical_cores`)
-      made one worker on this project's 2-vCPU machine; two workers, side by side on SmolLM2
-      Q4_1 with --matvec-kernels: prefill of 128 tokens 428 -> 760 tokens/s, decode bs1 36 -> 59
-      tokens/s (docs/performance.md);
+    - one worker per CPU this process may run on: IREE's default topology (`physical_cores`)
+      makes one worker on a 2-vCPU virtual machine, and prefill and decode ran 1.6x to 1.8x
+      slower with it;
     - workers spin SPIN_US microseconds for the next dispatch before sleeping
-      (--task_worker_spin_us; IREE's default 0 puts them to sleep between a decode step's ~365
-      dependent dispatches, and waking them costs more than the spin): SmolLM2 Q4_1 decode bs1
-      7.5 -> 6.7 ms on a quiet machine. SHARKPORT_IREE_SPIN_US sets another value (0: none).
+      (--task_worker_spin_us; IREE's default 0 puts them to sleep between a decode step's
+      dependent dispatches, and waking them costs more than the spin).
+      SHARKPORT_IREE_SPIN_US sets another value (0: none).
     Set IREE's own --task_* flags (`iree.runtime.flags.parse_flags`) and
     SHARKPORT_KEEP_IREE_TOPOLOGY=1 to choose otherwise."""
     global _TUNED
@@ -236,8 +234,8 @@ class IreeSession(Session):
 
         The inputs and the caches go straight into the VM's argument list, and the one result is
         mapped as it is: iree.runtime's FunctionInvoker, which converts each argument by the
-        function's reflected ABI and wraps the result in a DeviceArray, took 35 to 75 us more of a
-        SmolLM2 decode step (docs/performance.md, session 23)."""
+        function's reflected ABI and wraps the result in a DeviceArray, costs tens of us a decode
+        step."""
         rt = self._rt
         fn = self._functions.get(name)
         if fn is None:
@@ -261,8 +259,8 @@ class IreeSession(Session):
         if result.element_type != self._float32:
             raise SharkportError(f"{name} returned elements of HAL type {result.element_type}, not float32 logits: "
                                  "was the module exported by sharkport.export?")
-        # A view of the result's mapped memory (a copy took 73 us a SmolLM2 decode step in the
-        # bench's loop; docs/performance.md, session 22). It holds the result too: with IREE 3.9
+        # A view of the result's mapped memory (a copy costs tens of us a decode step). It holds
+        # the result too: with IREE 3.9
         # the mapping itself kept the buffer alive when tried, but views of DeviceArray.to_host()
         # once crashed on large outputs here, so the view does not depend on that
         # (tests/test_llama_tiny.py::test_compiled_logits_outlive_their_call).
@@ -318,9 +316,7 @@ def _host_range(view) -> tuple[int, int]:
 def _uploader(rt, device):
     """A function of a host array: its copy in a buffer view on `device` (host-visible, so it maps).
     The allocator, memory type, usage and element types are looked up once here, not for each of a
-    decode call's four inputs: a SmolLM2 decode call's host part (its time besides IREE's invoke)
-    123.5 -> 108.3 us, calls of both forms interleaved in one process (docs/performance.md,
-    session 28)."""
+    decode call's four inputs, which trims the host's part of a decode call."""
     copy = functools.partial(device.allocator.allocate_buffer_copy, rt.MemoryType.DEVICE_LOCAL,
                              rt.BufferUsage.DEFAULT | rt.BufferUsage.MAPPING, device)
     types = {dtype: getattr(rt.HalElementType, name) for dtype, name in _ELEMENT_TYPES.items()}
