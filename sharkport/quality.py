@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -104,7 +104,6 @@ class Result:
     same_top1: np.ndarray | None = None  # [P] bool
     base_nll: np.ndarray | None = None
     seconds: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ppl(self) -> float:
@@ -119,7 +118,7 @@ class Result:
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"tokens": self.tokens, "chunks": self.chunks, "ctx": self.ctx,
                                "scored_positions": len(self.nll), "ppl": self.ppl, "ppl_error": self.ppl_error,
-                               "seconds": self.seconds, **self.extra}
+                               "seconds": self.seconds}
         if self.kld is not None:
             base_ppl = math.exp(self.base_nll.mean())
             q = np.percentile(self.kld, [50, 90, 95, 99, 99.9])
@@ -158,9 +157,8 @@ def evaluate(prefill: Callable[[np.ndarray], np.ndarray], chunk_tokens: np.ndarr
                 extra["kld"].append(_kld(base.top_ids[b], base.top_logprobs[b], logp))
                 extra["same_top1"].append(logp.argmax(axis=-1) == base.top_ids[b, 0])
             if save_top_k is not None:
-                k = logp.shape[1] if save_top_k in (0, None) or save_top_k >= logp.shape[1] else save_top_k
-                top = np.argpartition(-logp, k - 1, axis=-1)[:, :k] if k < logp.shape[1] else \
-                    np.broadcast_to(np.arange(k), logp.shape).copy()
+                k = logp.shape[1] if save_top_k == 0 else min(save_top_k, logp.shape[1])
+                top = np.argpartition(-logp, k - 1, axis=-1)[:, :k]
                 order = np.argsort(-np.take_along_axis(logp, top, -1), axis=-1, kind="stable")
                 top = np.take_along_axis(top, order, -1)
                 extra["top_ids"].append(top.astype(np.int32))

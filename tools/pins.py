@@ -75,8 +75,12 @@ def installed_set() -> dict[str, str]:
 
 
 def read_pins(path: Path = CONSTRAINTS) -> dict[str, str]:
+    return parse_pins(path.read_text())
+
+
+def parse_pins(text: str) -> dict[str, str]:
     pins = {}
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         line = line.split("#", 1)[0].strip()
         if line:
             name, _, version = line.partition("==")
@@ -141,19 +145,12 @@ def _in_venv(root: Path, constrained: bool) -> int:
     frozen = sh(py, __file__, "freeze", capture_output=True, text=True, check=True).stdout
     if constrained:
         return sh(py, __file__, "check").returncode
-    changed = differences(read_pins(), _parse(frozen))
+    changed = differences(read_pins(), parse_pins(frozen))
     CONSTRAINTS.write_text(frozen)
     print("\n".join(changed) or "no pin moved")
     print(f"wrote {CONSTRAINTS}; run the whole suite in that venv (`{py} -m pytest tests`, kept with "
           "--keep DIR) before committing")
     return 0
-
-
-def _parse(text: str) -> dict[str, str]:
-    with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
-        f.write(text)
-        f.flush()
-        return read_pins(Path(f.name))
 
 
 def main(argv: list[str] | None = None) -> int:
