@@ -47,7 +47,11 @@ class TextGenerator:
     """Generates text with a Session (compiled module or eager recipe) and a tokenizer.
 
     Without a tokenizer (an archive without tokenizer metadata) prompts must be token ids and
-    generations have `text=None`."""
+    generations have `text=None`.
+
+    Thread-safe: calls from several threads share the session's cache pages and take turns on
+    the module; a call short of pages waits for other calls' pages (up to
+    runtime.generate.PAGE_WAIT_S seconds). `stats` is that of the last call to finish."""
 
     def __init__(self, session, tokenizer=None):
         self.session, self.tokenizer = session, tokenizer
@@ -71,7 +75,9 @@ class TextGenerator:
         """A GGUF (or .irpa) imported, exported and compiled on first use; the artifacts are kept
         in `cache_dir` (default $SHARKPORT_CACHE or ~/.cache/sharkport) under a key of the file's
         path, size and mtime and the export settings, and reused by later calls.
-        `export` is an ExportConfig (default: batch sizes 1 and 4, max_seq_len 2048)."""
+        `export` is an ExportConfig (default: batch sizes 1 and 4, max_seq_len 2048); `target` is
+        export's --target (`llvm-cpu`, `cuda:sm_90`, `rocm:gfx942`, ...: docs/devices.md), and
+        `device` defaults to the first device of the module's kind."""
         vmfb, irpa, config = build_artifacts(path, cache_dir, export, target, log)
         return cls.from_files(vmfb, irpa, config, pages=pages, device=device)
 

@@ -17,20 +17,39 @@ def atomic_output(path: str | os.PathLike, suffix: str = "", swap: bool = False)
     so a failure or a kill leaves the old file (or none), never a partial one. With `swap`, an
     existing file is swapped out rather than renamed over (see `swap_in`: faster for big files)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=suffix + ".tmp", dir=path.parent)
-    os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it 0600; give the output a normal file's mode
-    os.close(fd)
-    tmp = Path(tmp)
-    try:
+    with _temporary(path, suffix) as tmp:
         yield tmp
         if swap:
             swap_in(tmp, path)
         else:
             os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def atomic_outputs(*paths: str | os.PathLike) -> Iterator[list[Path]]:
+    """Temporary paths for outputs that belong together: renamed onto their paths, in the order
+    given, only when the whole block succeeds. A failure or a kill before then leaves every old
+    file; only a kill in the microseconds between two renames leaves the first ones new."""
+    with contextlib.ExitStack() as stack:
+        temporaries = [stack.enter_context(_temporary(Path(p))) for p in paths]
+        yield temporaries
+        for tmp, path in zip(temporaries, paths):
+            os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _temporary(path: Path, suffix: str = "") -> Iterator[Path]:
+    """A new empty file beside `path`, named after it and this process, deleted on the way out
+    unless renamed; a killed writer's are deleted by the next write (remove_stale_temporaries)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=suffix + ".tmp", dir=path.parent)
+    os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it 0600; give the output a normal file's mode
+    os.close(fd)
+    try:
+        yield Path(tmp)
     finally:
-        tmp.unlink(missing_ok=True)
+        Path(tmp).unlink(missing_ok=True)
 
 
 def remove_stale_temporaries(path: Path) -> list[Path]:

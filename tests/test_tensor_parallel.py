@@ -292,7 +292,7 @@ def test_compiled_tp2_matches_unsharded_module(tiny, compiled_of, compiled_tp2, 
     assert config["paged_kv_cache"]["paged_kv_block_size_elements_per_device"] == [page_elems] * 2
     lengths, pages = (30,), [[5, 0, 2]]
     sharded = IreeSession(*compiled_tp2, pages=PAGES, device=device)
-    assert sharded._device_name == (device or "local-sync")
+    assert sharded.device_name == (device or "local-sync")
     plain = IreeSession(*compiled_of(VARIANT), pages=TINY_EXPORT.device_block_count)
     seqs, got = run_steps(sharded, lengths, pages, 256)
     _, want = run_steps(plain, lengths, pages, 256)

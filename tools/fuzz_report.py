@@ -40,6 +40,9 @@ after changing the GGUF reader or the importer.
 | The runner's and the API's arguments (`--pages`, `--device`, `--seed`, prompts that are not UTF-8 or empty) are one line, exit 2 | `tests/test_generation.py` |
 | A temporary left by a killed writer is deleted by the next write of the same file | `tests/test_archive.py::test_sigkill_mid_write_leaves_the_old_archive` |
 | A model file's chat template renders in Jinja2's immutable sandbox within 2,000,000 steps, 10 s and 4,000,000 characters per string or output, with no file access; a hostile or broken one is one line naming the file | `tests/test_chat_template.py` |
+| A service config is checked field by field (types, ranges, a page size that agrees with layers, heads, stride and head size) and against the module it runs with: every batch size must have its function, and the facts the module carries in its functions' reflection (max_seq_len, block_seq_stride, page size, cache dtype, devices, vocabulary) must match, or one line names both values; a damaged `.vmfb` is one line; a module runs only on a device of its kind | `tests/test_hostile_config.py`, `tests/test_gpu_targets.py` |
+| An export's outputs (`.mlir`, service config, `.vmfb`) are published together once all are made: a SIGKILL before then leaves every old file, and iree-compile dies with the export (Linux's parent-death signal) | `tests/test_kill.py` (`-m extended`) |
+| Sessions are thread-safe: threads' calls take turns on the one cache, and a run short of pages waits (up to 600 s) for pages another run holds instead of failing; every thread's tokens are what its run gives alone | `tests/test_threads.py` |
 
 How the GGUF reader stays safe: `sharkport/formats/gguf.py` reads the header itself, field by
 field, with bounds checks. Every count and length is weighed against the bytes left in the file

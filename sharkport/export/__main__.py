@@ -8,8 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-from ..compile import TARGETS
+from ..compile import GPU_BACKENDS, resolve_target
 from ..errors import SharkportError, cli_main, prog
+from ..fileio import atomic_outputs
 from ..tools._cli import add_model_source, add_verbose, batch_sizes, load_dataset
 
 
@@ -71,10 +72,13 @@ def main(argv: list[str] | None = None) -> int:
                              "the cache write and attention over the pages in place; prefill's causal attention too. "
                              "About 3x faster decode on llvm-cpu (SmolLM2 Q4_1 bs1 22.7 -> 6.8 ms) and 1.1 to "
                              "1.25x faster prefill (docs/performance.md). The MLIR then compiles only for x86-64 CPUs")
-    parser.add_argument("--target", choices=list(TARGETS), default="llvm-cpu",
-                        help="compile target preset for --output-vmfb (default llvm-cpu: the host CPU, "
-                             "weights dequantized and packed at load, 4 bytes each in memory; "
-                             "llvm-cpu-lean keeps them as stored, slower)")
+    parser.add_argument("--target", type=_target, default="llvm-cpu", metavar="TARGET",
+                        help="what --output-vmfb runs on (default llvm-cpu: the host CPU, weights dequantized and "
+                             "packed at load, 4 bytes each in memory; llvm-cpu-lean keeps them as stored, slower). "
+                             "GPUs: BACKEND or BACKEND:CHIP, " + ", ".join(
+                                 f"{b}[:{g.default_chip}]" for b, g in GPU_BACKENDS.items())
+                             + " (the chip in brackets is the default; docs/devices.md); weights stay as stored "
+                               "in device memory and are dequantized in each call")
     add_verbose(parser)
     args, extra = parser.parse_known_args(argv)
     unknown = [f for f in extra if not f.startswith("--iree-")]
@@ -82,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if extra and not args.output_vmfb:
         raise SharkportError(f"{extra[0]} is an iree-compile flag; it needs --output-vmfb")
+    if args.matvec_kernels and args.target.gpu:
+        raise SharkportError(f"--matvec-kernels are x86-64 CPU code; leave them out for --target {args.target.name}")
 
     import torch
 
@@ -121,14 +127,29 @@ def main(argv: list[str] | None = None) -> int:
         from ..parallel.export import export_sharded
 
         output, service = export_sharded(sharded, config, model_config)
-    save_export(output, service, args.output_mlir, args.output_config)
-    _log(f"wrote {args.output_mlir} and {args.output_config} in {time.perf_counter() - t0:.1f} s")
-    if args.output_vmfb:
-        t0 = time.perf_counter()
-        _log(f"compiling for {args.target} ...")
-        compile_mlir(args.output_mlir, args.output_vmfb, args.target, extra, devices=service.tensor_parallelism_size)
-        _log(f"wrote {args.output_vmfb} in {time.perf_counter() - t0:.1f} s")
+    # The outputs are one set: all appear when everything is done, or none (a module beside a
+    # config it was not made with would not run).
+    outputs = [args.output_mlir, args.output_config] + ([args.output_vmfb] if args.output_vmfb else [])
+    with atomic_outputs(*outputs) as temporaries:
+        mlir, config_json = temporaries[:2]
+        save_export(output, service, mlir, config_json)
+        _log(f"exported in {time.perf_counter() - t0:.1f} s")
+        if args.output_vmfb:
+            t0 = time.perf_counter()
+            _log(f"compiling for {args.target.name} ...")
+            compile_mlir(mlir, temporaries[2], args.target.name, extra, devices=service.tensor_parallelism_size,
+                         name=str(args.output_mlir))
+            _log(f"compiled in {time.perf_counter() - t0:.1f} s")
+    _log(f"wrote {', '.join(str(p) for p in outputs)}")
     return 0
+
+
+def _target(spec: str):
+    """argparse type of --target: the resolved target, or the reason it is not one."""
+    try:
+        return resolve_target(spec)
+    except SharkportError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix(f"--target {spec}: ")) from None
 
 
 if __name__ == "__main__":

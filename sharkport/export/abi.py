@@ -11,6 +11,10 @@ MODULE_NAME = "module"
 ABI_VERSION = 1
 PREFILL_ARGS = ("tokens", "seq_lens", "seq_block_ids", "cache_state")
 DECODE_ARGS = ("tokens", "seq_lens", "start_positions", "seq_block_ids", "cache_state")
+# Bounds of what a service config may claim: far beyond any model, short of sizes that
+# would overflow or exhaust memory when the runner sizes its arrays from them.
+MAX_SEQ_LEN = 1 << 24
+MAX_BATCH = 4096
 # torch dtype names as the service config spells them (torch.float16 is "float16").
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 
@@ -130,8 +134,79 @@ class ServiceConfig:
             },
         }
 
+    def checked(self, source: str = "config") -> "ServiceConfig":
+        """This config, if every field has the type and range the runner sizes things from and the
+        page size agrees with the cache's geometry; else one line naming `source` and the field."""
+        def fail(message: str):
+            raise SharkportError(f"{source}: {message}; re-export the model with `sharkport export`")
+
+        def whole(name: str, value, high: int) -> None:
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+                fail(f"{name} is {value!r}, not a whole number in 1..{high}")
+
+        for name, high in (("max_seq_len", MAX_SEQ_LEN), ("attn_head_dim", 1 << 16),
+                           ("transformer_block_count", 1 << 16), ("attention_head_count_kv", 1 << 16),
+                           ("block_seq_stride", MAX_SEQ_LEN), ("device_block_count", 1 << 31),
+                           ("page_elems", 1 << 40), ("tensor_parallelism_size", 1 << 10)):
+            whole(name, getattr(self, name), high)
+        for name in ("prefill_batch_sizes", "decode_batch_sizes"):
+            sizes = getattr(self, name)
+            if not isinstance(sizes, list) or not sizes:
+                fail(f"{name} is {sizes!r}, not a list of batch sizes")
+            for size in sizes:
+                whole(name, size, MAX_BATCH)
+        if self.vocab_size is not None:
+            whole("vocab_size", self.vocab_size, 1 << 31)
+        if self.top_k is not None:
+            whole("top_k", self.top_k, 1 << 31)
+        if self.kv_cache_dtype not in ("float32", "float16"):
+            fail(f"kv_cache_dtype is {self.kv_cache_dtype!r}, not float32 or float16")
+        if self.logits_normalization not in ("none", "softmax", "log_softmax"):
+            fail(f"logits_normalization is {self.logits_normalization!r}, not none, softmax or log_softmax")
+        if not isinstance(self.has_prefill_position, bool):
+            fail(f"has_prefill_position is {self.has_prefill_position!r}, not true or false")
+        if self.module_abi_version != ABI_VERSION:
+            fail(f"module_abi_version is {self.module_abi_version!r}; this sharkport reads version {ABI_VERSION}")
+        if self.max_seq_len % self.block_seq_stride:
+            fail(f"max_seq_len {self.max_seq_len} is not a multiple of block_seq_stride {self.block_seq_stride}")
+        n = self.tensor_parallelism_size
+        heads = self.attention_head_count_kv // n if self.attention_head_count_kv % n == 0 else None
+        page = None if heads is None else \
+            self.transformer_block_count * 2 * self.block_seq_stride * heads * self.attn_head_dim
+        if page != self.page_elems:
+            fail(f"paged_kv_block_size_elements_per_device is {self.page_elems}, but {self.transformer_block_count} "
+                 f"layers x 2 x block_seq_stride {self.block_seq_stride} x {self.attention_head_count_kv} kv heads"
+                 f"{f' / {n} devices' if n > 1 else ''} x attn_head_dim {self.attn_head_dim} make {page}")
+        return self
+
+    @classmethod
+    def load(cls, path) -> "ServiceConfig":
+        """The service config JSON file at `path`, checked (one line naming the file if it is not one)."""
+        import json
+        from pathlib import Path
+
+        path = Path(path)
+        try:
+            if path.stat().st_size > 1 << 24:
+                raise SharkportError(f"{path}: {path.stat().st_size} bytes is no service config (they are a few "
+                                     "hundred); pass the JSON written by `sharkport export --output-config`")
+            d = json.loads(path.read_bytes().decode("utf-8"))
+        except FileNotFoundError:
+            raise SharkportError(f"{path}: no such file; pass the JSON written by --output-config") from None
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise SharkportError(f"{path}: not a service config JSON ({type(e).__name__}: "
+                                 f"{str(e).splitlines()[0][:200]})") from None
+        return cls.from_json(d, str(path))
+
     @classmethod
     def from_json(cls, d: dict, source: str = "config") -> "ServiceConfig":
+        if not isinstance(d, dict) or not isinstance(d.get("paged_kv_cache"), dict):
+            raise SharkportError(f"{source}: not a service config (a JSON object with paged_kv_cache); "
+                                 "pass the JSON written by `sharkport export --output-config`")
+        pages = d["paged_kv_cache"].get("paged_kv_block_size_elements_per_device")
+        if not isinstance(pages, list) or not pages or len(set(map(repr, pages))) != 1:
+            raise SharkportError(f"{source}: paged_kv_block_size_elements_per_device is {pages!r}, not one page "
+                                 "size per device, all equal; re-export the model with `sharkport export`")
         try:
             kv = d["paged_kv_cache"]
             return cls(
@@ -150,11 +225,22 @@ class ServiceConfig:
                 module_abi_version=d.get("module_abi_version", ABI_VERSION),
                 logits_normalization=d.get("logits_normalization", "none"),
                 top_k=d.get("top_k"), has_prefill_position=d.get("has_prefill_position", False),
-            )
+            ).checked(source)
         except (KeyError, IndexError, TypeError) as e:
             raise SharkportError(
                 f"{source}: service config lacks field {e}; re-export with `python -m sharkport.export`"
             ) from None
+
+
+# The ABI facts a module carries about itself, in each exported function's reflection
+# (`iree.reflection`, which the runtime reads back): the runner trusts these over the config.
+REFLECTION_KEY = "sharkport.abi"
+MODULE_FACTS = ("max_seq_len", "block_seq_stride", "page_elems", "kv_cache_dtype", "tensor_parallelism_size",
+                "vocab_size")
+
+
+def module_facts(config: ServiceConfig) -> dict:
+    return {name: getattr(config, name) for name in MODULE_FACTS}
 
 
 def dtype_name(dtype) -> str:

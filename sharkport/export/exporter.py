@@ -19,7 +19,8 @@ from ..fileio import atomic_output
 from ..models import CausalLM, ModelConfig, build_model
 from ..models.base import BLOCK_RUNNER
 from .blocks import BlockTracer, export_block, programs
-from .abi import (ExportConfig, ServiceConfig, dtype_name, dynamic_shapes, example_args)
+from .abi import (REFLECTION_KEY, ExportConfig, ServiceConfig, dtype_name, dynamic_shapes, example_args,
+                  module_facts)
 
 PARAMETER_SCOPE = "model"
 
@@ -162,8 +163,29 @@ def _trace_all(fxb: FxProgramsBuilder, config: ExportConfig, program_args, trace
 
 def save_export(output: aot.ExportOutput, service: ServiceConfig,
                 mlir_path: str | os.PathLike, config_path: str | os.PathLike) -> None:
-    """Writes the MLIR and the service config JSON, each atomically."""
+    """Writes the MLIR, its functions carrying the ABI's facts (abi.MODULE_FACTS), and the service
+    config JSON, each atomically."""
+    _reflect(output, service)
     with atomic_output(mlir_path) as tmp:
         output.save_mlir(tmp)
     with atomic_output(config_path) as tmp:
         Path(tmp).write_text(json.dumps(service.to_json(), indent=2) + "\n")
+
+
+def _reflect(output: aot.ExportOutput, service: ServiceConfig) -> None:
+    """Puts the module's facts into each prefill/decode function's `iree.reflection`, which IREE
+    keeps in the .vmfb, so the runner checks a config against the module itself."""
+    from iree.compiler import ir
+
+    module = output.mlir_module
+    facts = json.dumps(module_facts(service), sort_keys=True)
+    with module.context:
+        for op in module.regions[0].blocks[0].operations:
+            if op.operation.name != "func.func" or "sym_name" not in op.attributes:
+                continue
+            if ir.StringAttr(op.attributes["sym_name"]).value.startswith(("prefill_bs", "decode_bs")):
+                entries = {}
+                if "iree.reflection" in op.attributes:
+                    entries = {a.name: a.attr for a in ir.DictAttr(op.attributes["iree.reflection"])}
+                entries[REFLECTION_KEY] = ir.StringAttr.get(facts)
+                op.attributes["iree.reflection"] = ir.DictAttr.get(entries)

@@ -17,6 +17,7 @@ writes them, which it does before attending to them.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -27,29 +28,61 @@ import numpy as np
 from ..errors import SharkportError
 from .sampling import GenerationConfig, choose, process_logits
 
+# How long a run waits for cache pages that other runs on the same session hold.
+PAGE_WAIT_S = 600.0
+
 if TYPE_CHECKING:  # sessions load torch / IREE; the loop only calls them
     from .session import Session
 
 
 class PageAllocator:
-    """Hands out cache pages; every page, 0 included, is an ordinary page."""
+    """Hands out cache pages; every page, 0 included, is an ordinary page. Runs on one session in
+    several threads share it: a run that needs more pages than are free waits (up to `wait_s`)
+    for pages that runs in other threads hold, rather than failing. Pages its own thread holds
+    cannot come back while it waits, so they never count."""
 
-    def __init__(self, pages: int):
+    def __init__(self, pages: int, wait_s: float = PAGE_WAIT_S):
+        self.pages, self.wait_s = pages, wait_s
         self._free = list(range(pages - 1, -1, -1))
+        self._owner: dict[int, int] = {}  # page -> the thread that holds it
+        self._changed = threading.Condition()
 
     @property
     def free_count(self) -> int:
         return len(self._free)
 
-    def alloc(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise SharkportError(
-                f"the KV cache has {len(self._free)} free pages but {n} are needed; "
-                "raise --device-block-count at export (or --pages), or send fewer/shorter prompts")
-        return [self._free.pop() for _ in range(n)]
+    def alloc(self, n: int, wait: bool = False) -> list[int]:
+        """n free pages; with `wait`, once runs in other threads have freed enough (an error after
+        wait_s, or at once if even all of theirs would not do)."""
+        me = threading.get_ident()
+        with self._changed:
+            others = sum(owner != me for owner in self._owner.values())
+            if n > len(self._free) + (others if wait else 0):
+                raise SharkportError(
+                    f"the KV cache has {len(self._free)} free pages but {n} are needed; "
+                    "raise --device-block-count at export (or --pages), or send fewer/shorter prompts")
+            if not self._changed.wait_for(lambda: n <= len(self._free), timeout=self.wait_s):
+                raise SharkportError(
+                    f"waited {self.wait_s:g} s for {n} free KV cache pages while other sequences held them "
+                    f"({len(self._free)} of {self.pages} free); allocate more with --pages, or run fewer at once")
+            return self._take(n, me)
+
+    def try_alloc(self, n: int) -> list[int] | None:
+        """n free pages, or None (at once) if fewer are free."""
+        with self._changed:
+            return self._take(n, threading.get_ident()) if n <= len(self._free) else None
+
+    def _take(self, n: int, owner: int) -> list[int]:
+        pages = [self._free.pop() for _ in range(n)]
+        self._owner.update(dict.fromkeys(pages, owner))
+        return pages
 
     def free(self, pages: list[int]) -> None:
-        self._free.extend(reversed(pages))
+        with self._changed:
+            for page in pages:
+                self._owner.pop(page, None)
+            self._free.extend(reversed(pages))
+            self._changed.notify_all()
 
 
 @dataclass
@@ -133,10 +166,14 @@ class _Seq:
         return len(self.prompt) + len(self.tokens) - 1
 
 
+_ALLOCATOR_LOCK = threading.Lock()
+
+
 def page_allocator(session: Session) -> PageAllocator:
     """The session's allocator: runs on one session share its cache, so they share its pages."""
-    if getattr(session, "_page_allocator", None) is None:
-        session._page_allocator = PageAllocator(session.pages)
+    with _ALLOCATOR_LOCK:  # two threads' first runs make one allocator, not two
+        if getattr(session, "_page_allocator", None) is None:
+            session._page_allocator = PageAllocator(session.pages)
     return session._page_allocator
 
 
@@ -216,13 +253,15 @@ class GenerationRun:
             self._done = True
             return
         allocator = page_allocator(self.session)
-        self._scratch = allocator.alloc(1)[0]  # written by padding rows only
+        self._scratch = allocator.alloc(1, wait=True)[0]  # written by padding rows only
         waiting, running = deque(s for s in self._seqs if not s.finish_reason), []
         try:
             while waiting or running:
                 admitted = self._admit(waiting, running, allocator)
-                if waiting and not admitted and not running:  # nothing will free pages for it
-                    allocator.alloc(self._pages_needed(waiting[0]))  # raises the KV exhaustion error
+                if waiting and not admitted and not running:  # only another run can free pages for it
+                    s = waiting.popleft()
+                    s.pages = allocator.alloc(self._pages_needed(s), wait=True)
+                    admitted = [s]
                 running += admitted
                 if admitted:
                     yield from self._prefill(admitted)
@@ -243,15 +282,17 @@ class GenerationRun:
             if running or not waiting:
                 return []
             group = [waiting.popleft() for _ in range(min(self._rows, len(waiting)))]
-            pages = allocator.alloc(sum(self._pages_needed(s) for s in group))  # raises if short
+            pages = allocator.alloc(sum(self._pages_needed(s) for s in group), wait=True)
             for s in group:
                 s.pages, pages = pages[:self._pages_needed(s)], pages[self._pages_needed(s):]
             return group
         admitted = []  # in arrival order: a long prompt is not overtaken forever by short ones
-        while (waiting and len(running) + len(admitted) < self._rows
-               and self._pages_needed(waiting[0]) <= allocator.free_count):
+        while waiting and len(running) + len(admitted) < self._rows:
+            pages = allocator.try_alloc(self._pages_needed(waiting[0]))
+            if pages is None:
+                break
             s = waiting.popleft()
-            s.pages = allocator.alloc(self._pages_needed(s))
+            s.pages = pages
             admitted.append(s)
         return admitted
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 from ..errors import SharkportError
-from ..export.abi import ServiceConfig
+from ..export.abi import MODULE_FACTS, REFLECTION_KEY, ServiceConfig
 from . import hugepages
 
 _NP_CACHE_DTYPES = {"float32": np.float32, "float16": np.float16}
@@ -54,7 +55,7 @@ def _device(rt, uri: str, cache: bool):
         return rt.get_device(uri, cache=cache)
     except (ValueError, RuntimeError) as e:
         raise SharkportError(f"--device {uri}: not available here ({_one_line(e)}); the CPU devices are "
-                             "local-task and local-sync") from None
+                             "local-task and local-sync, GPUs cuda://N, hip://N and vulkan://N") from None
 
 
 def _available_bytes() -> int | None:
@@ -70,10 +71,12 @@ def _available_bytes() -> int | None:
 
 
 class Session:
-    """prefill / decode over a paged cache of `pages` pages (docs/abi.md)."""
+    """prefill / decode over a paged cache of `pages` pages (docs/abi.md). Thread-safe: calls from
+    several threads take turns on the one cache."""
 
     config: ServiceConfig
     pages: int
+    _calls = threading.Lock()  # replaced per session in __init__
 
     # -- checks shared by both sessions -------------------------------------------------------
     def _check(self, kind: str, tokens: np.ndarray, seq_lens: np.ndarray, seq_block_ids: np.ndarray,
@@ -115,11 +118,13 @@ class Session:
 
     def prefill(self, tokens, seq_lens, seq_block_ids) -> np.ndarray:
         self._check("prefill", tokens, seq_lens, seq_block_ids)
-        return self._prefill(tokens, seq_lens, seq_block_ids)
+        with self._calls:
+            return self._prefill(tokens, seq_lens, seq_block_ids)
 
     def decode(self, tokens, seq_lens, start_positions, seq_block_ids) -> np.ndarray:
         self._check("decode", tokens, seq_lens, seq_block_ids, start_positions)
-        return self._decode(tokens, seq_lens, start_positions, seq_block_ids)
+        with self._calls:
+            return self._decode(tokens, seq_lens, start_positions, seq_block_ids)
 
     def cache_to_host(self) -> np.ndarray:
         raise NotImplementedError
@@ -170,7 +175,9 @@ def _embedding_rows(index, irpa) -> int:
 
 
 class IreeSession(Session):
-    """A compiled module with its parameters, on an IREE device (default `local-task`).
+    """A compiled module with its parameters, on an IREE device: by default `local-task` for a CPU
+    module and the first GPU of its driver (`cuda`, `hip`, `vulkan`) for a GPU module
+    (docs/devices.md); a device of the wrong kind is refused before the module loads.
 
     A tensor-parallel module (config `tensor_parallelism_size` N > 1, docs/parallel.md) runs on N
     devices: N of `device`'s kind (default `local-sync`: IREE 3.9's local-task fails deep
@@ -191,39 +198,61 @@ class IreeSession(Session):
         for p in (vmfb, irpa):
             if not Path(p).is_file():
                 raise SharkportError(f"{p}: no such file")
+        source = "the service config" if isinstance(config, ServiceConfig) else str(config)
         if not isinstance(config, ServiceConfig):
-            path = Path(config)
-            if not path.is_file():
-                raise SharkportError(f"{path}: no such file; pass the JSON written by --output-config")
-            config = ServiceConfig.from_json(json.loads(path.read_text()), str(path))
+            config = ServiceConfig.load(config)
+        instance = rt.VmInstance()
+        try:
+            main = rt.VmModule.mmap(instance, str(vmfb))
+        except (RuntimeError, ValueError) as e:
+            raise SharkportError(f"{vmfb}: not a module IREE can load ({_one_line(e)}); compile it again with "
+                                 "`sharkport export --output-vmfb`") from None
+        config = checked_against_module(main, config, vmfb, source)
         self.pages = cache_pages(pages, config)
+        self._calls = threading.Lock()
         n = config.tensor_parallelism_size
-        self._device_name = device or ("local-sync" if n > 1 else "local-task")
-        uris = self._device_name.split(",") if "," in self._device_name else [self._device_name] * n
+        driver = module_driver(vmfb)  # None: a CPU module
+        self.device_name = device or driver or ("local-sync" if n > 1 else "local-task")
+        uris = self.device_name.split(",") if "," in self.device_name else [self.device_name] * n
         if len(uris) != n:
-            raise SharkportError(f"device {self._device_name!r} names {len(uris)} devices; the module runs on {n}")
+            raise SharkportError(f"device {self.device_name!r} names {len(uris)} devices; the module runs on {n}")
+        for uri in uris:
+            kind = uri.split("://")[0]
+            if kind in _DRIVER_OF_DEVICE and _DRIVER_OF_DEVICE[kind] != driver:
+                raise SharkportError(f"--device {uri}: {vmfb} was compiled for "
+                                     f"{driver + ' GPUs' if driver else 'the CPU'}; run it with --device "
+                                     f"{driver or 'local-task'} (docs/devices.md)")
         if any(uri.startswith("local-task") for uri in uris):
             tune_local_task(rt)
         devices = [_device(rt, uri, n == 1) for uri in uris]  # N > 1: N devices, not one shared
         files, vocab = parameter_files(irpa, n) if n > 1 else ([irpa], None)
-        instance = rt.VmInstance()
         index = rt.ParameterIndex()
         for f in files:  # rank files' names are distinct (`.shard.{r}`): all load into scope "model"
             index.load(str(f), mmap=True)
-        if config.vocab_size is None:  # not in the JSON (shortfin's config has no such field)
-            config = replace(config, vocab_size=vocab or _embedding_rows(index, irpa))
+        rows = vocab or _embedding_rows(index, irpa)
+        if config.vocab_size is None:  # an older module, and a config without it (as shortfin's)
+            config = replace(config, vocab_size=rows)
+        elif rows != config.vocab_size:
+            raise SharkportError(f"{irpa}: token_embd.weight has {rows} rows, but {vmfb} was exported for a "
+                                 f"vocabulary of {config.vocab_size}; give the archive it was exported from")
         self.config = config
         params = rt.create_io_parameters_module(instance, index.create_provider(scope="model"))
         hal = rt.create_hal_module(instance, devices=devices)
-        main = rt.VmModule.mmap(instance, str(vmfb))
         # the inputs (and the logits) of a tensor-parallel module's functions are on device 0
-        self._rt, self._device, self._float32 = rt, devices[0], int(rt.HalElementType.FLOAT_32)
+        self._rt, self._devices, self._device = rt, devices, devices[0]
+        self._float32 = int(rt.HalElementType.FLOAT_32)
         on_cpu = hugepages.enabled() and all(uri.startswith("local") for uri in uris)
         before = hugepages.snapshot() if on_cpu else {}
         self._context, self._main, self._functions = rt.VmContext(instance, modules=[params, hal, main]), main, {}
         dtype = _NP_CACHE_DTYPES[config.kv_cache_dtype]
-        self._caches = [_uploader(rt, d)(np.zeros((self.pages, config.page_elems), dtype)) for d in devices]
-        self._upload = _uploader(rt, devices[0])  # the inputs' copies, on device 0
+        self._on_host = on_host = driver is None  # a CPU device's memory maps; a GPU's is copied back
+        try:
+            self._caches = [_uploader(rt, d, on_host)(np.zeros((self.pages, config.page_elems), dtype))
+                            for d in devices]
+        except RuntimeError as e:  # a GPU's memory is not the system's, which cache_pages checked
+            raise SharkportError(f"--pages {self.pages}: the device could not hold the KV cache "
+                                 f"({_one_line(e)}); give fewer pages") from None
+        self._upload = _uploader(rt, devices[0], on_host)  # the inputs' copies, on device 0
         # the weights the context's initializer wrote and the caches, on 2 MiB pages (hugepages.py);
         # a cache below glibc's mmap threshold may sit in memory mapped before, so its own range too
         self.huge_page_bytes = hugepages.back_new_mappings(before, [_host_range(c) for c in self._caches]) \
@@ -252,7 +281,7 @@ class IreeSession(Session):
         try:
             self._context.invoke(fn, arguments, results)
         except RuntimeError as e:
-            if len(self._caches) > 1 and "local-task" in self._device_name and "ABORTED" in str(e):
+            if len(self._caches) > 1 and "local-task" in self.device_name and "ABORTED" in str(e):
                 raise SharkportError(_MULTI_DEVICE_LOCAL_TASK.format(n=len(self._caches), error=_one_line(e))) from e
             raise
         result = results.get_as_object(0, rt.HalBufferView)
@@ -264,6 +293,8 @@ class IreeSession(Session):
         # the mapping itself kept the buffer alive when tried, but views of DeviceArray.to_host()
         # once crashed on large outputs here, so the view does not depend on that
         # (tests/test_llama_tiny.py::test_compiled_logits_outlive_their_call).
+        if not self._on_host:
+            return _copy_to_host(rt, self._device, result, np.float32)
         logits = result.map().asarray(list(result.shape), np.dtype(np.float32)).view(_Logits)
         logits.result = result
         return logits
@@ -285,7 +316,8 @@ class IreeSession(Session):
     def caches_to_host(self) -> list[np.ndarray]:
         """Each device's cache_state, in device order."""
         dtype = _NP_CACHE_DTYPES[self.config.kv_cache_dtype]
-        return [np.array(c.map().asarray(list(c.shape), np.dtype(dtype)), copy=True) for c in self._caches]
+        return [np.array(c.map().asarray(list(c.shape), np.dtype(dtype)), copy=True) if _mappable(c)
+                else _copy_to_host(self._rt, device, c, dtype) for c, device in zip(self._caches, self._devices)]
 
 
 # Seen with IREE 3.9 (iree-run-module --task_abort_on_failure=true names the root cause,
@@ -313,14 +345,91 @@ def _host_range(view) -> tuple[int, int]:
     return a.ctypes.data, a.nbytes
 
 
-def _uploader(rt, device):
-    """A function of a host array: its copy in a buffer view on `device` (host-visible, so it maps).
-    The allocator, memory type, usage and element types are looked up once here, not for each of a
-    decode call's four inputs, which trims the host's part of a decode call."""
-    copy = functools.partial(device.allocator.allocate_buffer_copy, rt.MemoryType.DEVICE_LOCAL,
-                             rt.BufferUsage.DEFAULT | rt.BufferUsage.MAPPING, device)
+def _uploader(rt, device, mapped: bool = True):
+    """A function of a host array: its copy in a buffer view on `device` (with `mapped`, host-visible
+    so that it maps; a GPU's own memory otherwise). The allocator, memory type, usage and element
+    types are looked up once here, not for each of a decode call's four inputs, which trims the
+    host's part of a decode call."""
+    usage = rt.BufferUsage.DEFAULT | rt.BufferUsage.MAPPING if mapped else rt.BufferUsage.DEFAULT
+    copy = functools.partial(device.allocator.allocate_buffer_copy, rt.MemoryType.DEVICE_LOCAL, usage, device)
     types = {dtype: getattr(rt.HalElementType, name) for dtype, name in _ELEMENT_TYPES.items()}
     return lambda a: copy(a, types[a.dtype])
+
+
+def _mappable(view) -> bool:
+    """Whether a buffer view's memory maps into this process (a CPU device's does; a GPU's need not)."""
+    import iree.runtime as rt
+
+    buffer = view.get_buffer()
+    host_visible, scoped = int(rt.MemoryType.HOST_VISIBLE), int(rt.BufferUsage.MAPPING_SCOPED)
+    return buffer.memory_type() & host_visible == host_visible and buffer.allowed_usage() & scoped == scoped
+
+
+def _copy_to_host(rt, device, view, dtype) -> np.ndarray:
+    """A numpy copy of a buffer view in device memory: a device-to-host copy on the device's queue
+    into a host buffer, mapped and copied out (a view of the mapping would not outlive it)."""
+    source = view.get_buffer()
+    host = device.allocator.allocate_buffer(
+        memory_type=rt.MemoryType.HOST_LOCAL | rt.MemoryType.DEVICE_VISIBLE,
+        allowed_usage=rt.BufferUsage.TRANSFER_TARGET | rt.BufferUsage.MAPPING_SCOPED,
+        allocation_size=source.byte_length())
+    semaphore = device.create_semaphore(0)
+    device.queue_copy(source, host, wait_semaphores=rt.HalFence.create_at(semaphore, 0),
+                      signal_semaphores=rt.HalFence.create_at(semaphore, 1))
+    rt.HalFence.create_at(semaphore, 1).wait()
+    return np.array(host.map().asarray(list(view.shape), np.dtype(dtype)), copy=True)
+
+
+def checked_against_module(main, config: ServiceConfig, vmfb, source: str) -> ServiceConfig:
+    """`config` if the module has a function for each of its batch sizes and carries the same
+    ABI facts (export.abi.MODULE_FACTS, in the functions' reflection), with the module's
+    vocabulary; else one line naming both values. Modules exported before they carried their
+    facts are checked for their functions only."""
+    facts = None
+    for kind, sizes in (("prefill", config.prefill_batch_sizes), ("decode", config.decode_batch_sizes)):
+        for bs in sizes:
+            fn = main.lookup_function(f"{kind}_bs{bs}")
+            if fn is None:
+                have = sorted(f for f in main.function_names if f.startswith(f"{kind}_bs") and "$" not in f)
+                raise SharkportError(f"{source}: {kind} batch size {bs} is not in {vmfb} (it has "
+                                     f"{', '.join(have) or 'none'}); use the config exported with the module")
+            raw = fn.reflection.get(REFLECTION_KEY)
+            if raw is not None and facts is None:
+                try:
+                    facts = json.loads(raw)
+                except ValueError:
+                    raise SharkportError(f"{vmfb}: its {REFLECTION_KEY} reflection is not JSON; compile the "
+                                         "module again") from None
+    if not isinstance(facts, dict):
+        return config
+    for name in MODULE_FACTS:
+        value = getattr(config, name)
+        if name == "vocab_size" and value is None:
+            continue
+        if facts.get(name) != value:
+            raise SharkportError(f"{source}: {name} is {value!r}, but {vmfb} was exported with {facts.get(name)!r}; "
+                                 "use the config exported with the module")
+    return replace(config, vocab_size=facts.get("vocab_size"))
+
+
+# The executable formats iree-compile writes for each GPU driver (a CPU module's are ELF or VMVX).
+_GPU_FORMATS = {b"cuda-nvptx-fb": "cuda", b"rocm-hsaco-fb": "hip", b"vulkan-spirv-fb": "vulkan"}
+_DRIVER_OF_DEVICE = {"local-task": None, "local-sync": None, "cuda": "cuda", "hip": "hip", "vulkan": "vulkan"}
+
+
+def module_driver(vmfb: str | os.PathLike) -> str | None:
+    """The GPU driver a compiled module's executables are for (`cuda`, `hip`, `vulkan`), or None
+    for a CPU module: read from the executable formats the module names."""
+    import mmap
+
+    with open(vmfb, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return None
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            for fmt, driver in _GPU_FORMATS.items():
+                if m.find(fmt) >= 0:
+                    return driver
+    return None
 
 
 class EagerSession(Session):
@@ -331,6 +440,7 @@ class EagerSession(Session):
             config = replace(config, vocab_size=model.vocab_size)
         self.model, self.config = model, config
         self.pages = cache_pages(pages, config)
+        self._calls = threading.Lock()
         self._cache = model.new_cache(self.pages)
 
     @torch.no_grad()

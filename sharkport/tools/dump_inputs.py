@@ -13,7 +13,6 @@ expected_logits.npy, so the output of each command can be compared with them.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shlex
 import shutil
@@ -120,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chat", action="store_true", help="format --prompt with the archive's chat template")
     parser.add_argument("--output-npy-dir", type=Path, required=True, metavar="DIR",
                         help="where to write each call's inputs, the runner's outputs and commands.sh")
-    parser.add_argument("--device", default="local-task", help="IREE device (default local-task)")
+    parser.add_argument("--device", help="IREE device (default: local-task for a CPU module, the first GPU of its kind for a GPU module)")
     parser.add_argument("--pages", type=int,
                         help="cache pages in the dumped cache_state (default: just enough for the prompt)")
     add_verbose(parser)
@@ -144,13 +143,13 @@ def main(argv: list[str] | None = None) -> int:
         ids = None
     if not args.config.is_file():
         raise SharkportError(f"{args.config}: no such file; pass the JSON written by --output-config")
-    config = ServiceConfig.from_json(json.loads(args.config.read_text()), str(args.config))
+    config = ServiceConfig.load(args.config)
     stride = config.block_seq_stride
     if ids is None:
         ids = encode_prompt(Dataset.load(args.irpa_file).tokenizer(), args.prompt, args.chat)
     pages = args.pages or math.ceil((len(ids) + 1) / stride) + 1  # + the scratch page
     session = IreeSession(vmfb, args.irpa_file, config, pages=max(pages, 2), device=args.device)
-    calls = dump_inputs(session, ids, args.output_npy_dir, vmfb, args.irpa_file, args.device)
+    calls = dump_inputs(session, ids, args.output_npy_dir, vmfb, args.irpa_file, session.device_name)
 
     print(f"prompt: {len(ids)} tokens {ids}")
     script = args.output_npy_dir / "commands.sh"

@@ -43,7 +43,7 @@ def _session(args, ctx: int):
         raise SharkportError("--vmfb needs --config, the service config JSON exported with it")
     if not args.config.is_file():
         raise SharkportError(f"{args.config}: no such file; pass the JSON written by --output-config")
-    config = ServiceConfig.from_json(json.loads(args.config.read_text()), str(args.config))
+    config = ServiceConfig.load(args.config)
     pages = max(config.prefill_batch_sizes) * math.ceil(ctx / config.block_seq_stride)
     return IreeSession(args.vmfb, path, config, pages=pages, device=args.device), path
 
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=DEFAULT_TOP_K,
                         help=f"with --save-logits: log-probabilities kept per position (default {DEFAULT_TOP_K}; "
                              "0: the whole vocabulary, exact KLD, V x 8 bytes a position)")
-    parser.add_argument("--device", default="local-task", help="IREE device (default local-task)")
+    parser.add_argument("--device", help="IREE device (default: local-task for a CPU module, the first GPU of its kind for a GPU module)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     add_verbose(parser)
     args = parser.parse_args(argv)

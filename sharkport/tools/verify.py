@@ -162,14 +162,12 @@ def main(argv: list[str] | None = None) -> int:
                              "transformers over 91 positions)")
     parser.add_argument("--min-top1", type=float, default=0.99,
                         help="smallest allowed share of positions with the same top-1 token (default 0.99)")
-    parser.add_argument("--device", default="local-task", help="IREE device (default local-task)")
+    parser.add_argument("--device", help="IREE device (default: local-task for a CPU module, the first GPU of its kind for a GPU module)")
     add_verbose(parser)
     args = parse_args(parser, argv, {"--hf-model": "--model-dir"})
     args.irpa_file = archive_path(args)
     if not args.prompt and not args.token_ids:
         parser.error("give at least one --prompt or --token-ids")
-
-    import json
 
     import torch
 
@@ -181,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.config.is_file():
         raise SharkportError(f"{args.config}: no such file; pass the JSON written by --output-config")
-    config = ServiceConfig.from_json(json.loads(args.config.read_text()), str(args.config))
+    config = ServiceConfig.load(args.config)
     atol = args.atol if args.atol is not None else ATOL.get(config.kv_cache_dtype, ATOL["float32"])
     dataset = Dataset.load(args.irpa_file)
     prompts = []
