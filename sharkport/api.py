@@ -182,10 +182,8 @@ def encode_prompt(tokenizer, prompt: Prompt, chat: bool = False) -> list[int]:
 
 
 def _tokenizer_or_none(dataset):
-    try:
-        return dataset.tokenizer()
-    except SharkportError:
-        return None
+    """The archive's tokenizer, None if it carries none; broken tokenizer metadata is an error."""
+    return dataset.tokenizer() if dataset.has_tokenizer else None
 
 
 def _cache_root(cache_dir: str | os.PathLike | None) -> Path:

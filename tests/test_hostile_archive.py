@@ -112,3 +112,23 @@ def test_block_count_must_be_the_blocks_present(irpa_of, tmp_path, count):
     assert time.perf_counter() - t0 < 60
     found = sum("block_count" in line for line in proc.stdout.splitlines())
     assert found == 1 if count > 2 else 1 <= found <= 20, proc.stdout  # one line, or one per extra tensor
+
+
+@pytest.mark.parametrize("tokenizer", [
+    {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b"]},
+    {"tokenizer.ggml.model": "nonsense", "tokenizer.ggml.tokens": ["a"]},
+    {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a", "b"], "tokenizer.ggml.token_type": [1]},
+], ids=["no-merges", "unknown-model", "types-mismatch"])
+def test_broken_tokenizer_is_an_error_not_no_tokenizer(irpa_of, tmp_path, tokenizer):
+    """Tokenizer metadata the runner cannot build from: loading the model says so (naming the
+    archive) instead of treating it as a model without a tokenizer."""
+    from sharkport.api import _tokenizer_or_none
+
+    source = irpa_of("gqa-untied")
+    assert _tokenizer_or_none(Dataset.load(source)) is None  # none at all: prompts are token ids
+    meta = _metadata(source)
+    meta["tokenizer"] = tokenizer
+    bad = _rewrite(source, tmp_path / "bad.irpa", json.dumps(meta).encode())
+    with pytest.raises(SharkportError, match="its tokenizer metadata is broken") as e:
+        _tokenizer_or_none(Dataset.load(bad))
+    assert str(bad) in str(e.value) and "\n" not in str(e.value)

@@ -70,13 +70,22 @@ class Dataset(ArchiveMetadata):
         metadata, weights, archive = read_archive(path)
         return cls(path, metadata, Theta(weights), archive)
 
+    @property
+    def has_tokenizer(self) -> bool:
+        """Whether the archive carries tokenizer metadata (which may still be broken: tokenizer())."""
+        return bool(self.metadata.get("tokenizer"))
+
     def tokenizer(self):
         """The model's tokenizer (raises SharkportError when the archive carries none)."""
         from ..tokenizer import Tokenizer
 
-        if not self.metadata.get("tokenizer"):
+        if not self.has_tokenizer:
             raise SharkportError(f"{self.path}: carries no tokenizer; pass token ids instead of text")
-        tokenizer = Tokenizer.from_gguf_metadata(self.metadata["tokenizer"])
+        try:
+            tokenizer = Tokenizer.from_gguf_metadata(self.metadata["tokenizer"])
+        except SharkportError as e:
+            raise SharkportError(f"{self.path}: its tokenizer metadata is broken ({e}); re-import the model "
+                                 "from its GGUF or Hugging Face folder") from None
         tokenizer.source = str(self.path)
         return tokenizer
 
