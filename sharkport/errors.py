@@ -16,6 +16,22 @@ class SharkportError(Exception):
     """A problem with the user's input or environment, reported as one line without traceback."""
 
 
+def json_type(value) -> str:
+    """What JSON calls the type of a value parsed from it (for messages about a file's contents)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    return {dict: "object", list: "array", str: "string", int: "number", float: "number"}.get(
+        type(value), type(value).__name__)
+
+
+def short(value, limit: int = 40) -> str:
+    """repr(value) cut to `limit` characters: a value from a file, quoted in a one-line message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def cli_main(main: Callable[[list[str] | None], int | None]) -> Callable[[list[str] | None], int]:
     """Wraps a tool's `main(argv)`: a SharkportError (or a missing file) becomes one line on
     stderr and exit code 2; `--verbose` in argv or SHARKPORT_VERBOSE=1 keeps the traceback."""

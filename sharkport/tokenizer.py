@@ -25,13 +25,14 @@ works too).
 from __future__ import annotations
 
 import codecs
+import math
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
-from sharkport.errors import SharkportError
+from sharkport.errors import SharkportError, json_type, short
 
 __all__ = ["Tokenizer", "StreamDecoder", "tokenizer_metadata", "tokenizer_metadata_from_hf",
            "write_hf_tokenizer", "KNOWN_PRE_TOKENIZERS"]
@@ -208,7 +209,7 @@ def tokenizer_metadata_from_hf(files: Mapping[str, Any], where: Any = "") -> dic
     if "tokenizer.json" in files:
         from tokenizers import Tokenizer as HFTokenizer
 
-        tk = HFTokenizer.from_str(files["tokenizer.json"])
+        tk = _load_hf_json(files["tokenizer.json"], f"{where or 'the checkpoint'}: its tokenizer.json")
         meta: dict[str, Any] = {_KEY_HF_JSON: files["tokenizer.json"]}
         lookup = tk.token_to_id
     elif "tokenizer.model" in files:
@@ -225,6 +226,21 @@ def tokenizer_metadata_from_hf(files: Mapping[str, Any], where: Any = "") -> dic
     if template:
         meta[_KEY_CHAT_TEMPLATE] = template
     return meta
+
+
+def _load_hf_json(text: str, what: str):
+    """A tokenizer.json's text as a `tokenizers.Tokenizer`; one SharkportError naming `what` if
+    `tokenizers` cannot load it."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    try:
+        return HFTokenizer.from_str(text)
+    except BaseException as e:  # noqa: BLE001 - the Rust side also panics (a BaseException) on bad input
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        message = " ".join(str(e).split())
+        raise SharkportError(f"{what} is not a tokenizer.json that `tokenizers` can load "
+                             f"({message[:200]}); re-import the model") from None
 
 
 def _spm_metadata(model_b64: str, config: Mapping[str, Any], where: Any) -> dict[str, Any]:
@@ -276,7 +292,22 @@ def _spm_metadata(model_b64: str, config: Mapping[str, Any], where: Any) -> dict
     }
 
 
-def _get_list(metadata: Mapping[str, Any], key: str, required: bool = True) -> list[Any] | None:
+# What each kind of tokenizer value must be: (test, what the error calls it).
+_KINDS: dict[type, tuple[Callable[[Any], bool], str]] = {
+    str: (lambda v: isinstance(v, str), "a string"),
+    int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "a whole number"),
+    float: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v), "a number"),
+    bool: (lambda v: isinstance(v, bool) or v in (0, 1), "true or false"),
+}
+
+
+def _bad_value(key: str, value: Any, kind: type) -> SharkportError:
+    return SharkportError(f"GGUF key {key} holds {short(value)}, not {_KINDS[kind][1]}; the file is corrupt, "
+                          "re-convert it")
+
+
+def _get_list(metadata: Mapping[str, Any], key: str, kind: type, required: bool = True) -> list[Any] | None:
+    """The array `key`, every item of `kind` (str, int, float)."""
     value = metadata.get(key)
     if value is None:
         if required:
@@ -285,16 +316,21 @@ def _get_list(metadata: Mapping[str, Any], key: str, required: bool = True) -> l
                 "re-convert the model with a current llama.cpp convert script"
             )
         return None
-    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable) or isinstance(value, Mapping):
         raise SharkportError(f"GGUF key {key} should be an array, got {type(value).__name__}")
-    return list(value)
+    value, test = list(value), _KINDS[kind][0]
+    bad = next((i for i, v in enumerate(value) if not test(v)), None)
+    if bad is not None:
+        raise _bad_value(f"{key}[{bad}]", value[bad], kind)
+    return [float(v) for v in value] if kind is float else value
 
 
 def _get_id(metadata: Mapping[str, Any], key: str, n_vocab: int, default: int | None) -> int | None:
     value = metadata.get(key, default)
     if value is None:
         return None
-    value = int(value)
+    if not _KINDS[int][0](value):
+        raise _bad_value(key, value, int)
     if value < 0 or value >= n_vocab:  # llama.cpp treats an out-of-range id as absent
         return None
     return value
@@ -302,6 +338,8 @@ def _get_id(metadata: Mapping[str, Any], key: str, n_vocab: int, default: int | 
 
 def _get_bool(metadata: Mapping[str, Any], key: str, default: bool) -> bool:
     value = metadata.get(key)
+    if value is not None and not _KINDS[bool][0](value):
+        raise _bad_value(key, value, bool)
     return default if value is None else bool(value)
 
 
@@ -371,6 +409,9 @@ class Tokenizer:
         Raises SharkportError for an unknown `tokenizer.ggml.model` or `tokenizer.ggml.pre`, or
         when a required key (tokens; merges for "gpt2") is missing or inconsistent.
         """
+        if not isinstance(metadata, Mapping):
+            raise SharkportError(f"the tokenizer metadata is a JSON {json_type(metadata)}, not an object of "
+                                 "GGUF keys; re-import the model")
         model = metadata.get(_KEY_MODEL)
         if model is None and metadata.get(_KEY_HF_JSON):
             return cls._from_hf_json(metadata)
@@ -380,12 +421,12 @@ class Tokenizer:
                 "use a GGUF converted with its vocabulary"
             )
         model = str(model)
-        tokens = [str(t) for t in _get_list(metadata, _KEY_TOKENS) or []]
+        tokens = _get_list(metadata, _KEY_TOKENS, str) or []
         if not tokens:
             raise SharkportError(f"GGUF key {_KEY_TOKENS} is empty: the file has no vocabulary")
         n = len(tokens)
-        types_raw = _get_list(metadata, _KEY_TYPES, required=False)
-        types = [int(t) for t in types_raw] if types_raw is not None else [TOKEN_NORMAL] * n
+        types = _get_list(metadata, _KEY_TYPES, int, required=False)
+        types = [TOKEN_NORMAL] * n if types is None else types
         if len(types) != n:
             raise SharkportError(
                 f"GGUF key {_KEY_TYPES} has {len(types)} entries but {_KEY_TOKENS} has {n}; "
@@ -396,6 +437,8 @@ class Tokenizer:
         self.model = model
         self.vocab_size = n
         self.chat_template = metadata.get("tokenizer.chat_template")
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise _bad_value("tokenizer.chat_template", self.chat_template, str)
         if model == "gpt2":
             self._init_bpe(metadata, tokens, types)
         elif model == "llama":
@@ -434,15 +477,7 @@ class Tokenizer:
     def _from_hf_json(cls, metadata: Mapping[str, Any]) -> "Tokenizer":
         """A whole HF tokenizer.json, run by `tokenizers` as transformers runs it: its own
         normalizer, pre-tokenizer, added tokens and post-processor (which adds BOS/EOS)."""
-        from tokenizers import Tokenizer as HFTokenizer
-
-        try:
-            tk = HFTokenizer.from_str(str(metadata[_KEY_HF_JSON]))
-        except Exception as e:
-            raise SharkportError(
-                f"{_KEY_HF_JSON} is not a tokenizer.json that `tokenizers` can load "
-                f"({' '.join(str(e).split())}); re-import the model"
-            ) from None
+        tk = _load_hf_json(str(metadata[_KEY_HF_JSON]), _KEY_HF_JSON)
         self = cls()
         self._hf = tk
         self.model, self.pre = "huggingface", None
@@ -474,10 +509,9 @@ class Tokenizer:
                 f"{', '.join(KNOWN_PRE_TOKENIZERS)}; add its regexes to sharkport/tokenizer.py"
             )
         self.pre = pre
-        merges_raw = _get_list(metadata, _KEY_MERGES)
+        merges_raw = _get_list(metadata, _KEY_MERGES, str)
         merges: list[tuple[str, str]] = []
         for m in merges_raw or []:
-            m = str(m)
             cut = m.find(" ", 1)
             if cut < 0:
                 raise SharkportError(
@@ -525,8 +559,8 @@ class Tokenizer:
         from sentencepiece import sentencepiece_model_pb2 as pb
 
         n = len(tokens)
-        scores_raw = _get_list(metadata, _KEY_SCORES, required=False)
-        scores = [float(s) for s in scores_raw] if scores_raw is not None else [0.0] * n
+        scores = _get_list(metadata, _KEY_SCORES, float, required=False)
+        scores = [0.0] * n if scores is None else scores
         if len(scores) != n:
             raise SharkportError(
                 f"GGUF key {_KEY_SCORES} has {len(scores)} entries but {_KEY_TOKENS} has {n}; "

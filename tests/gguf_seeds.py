@@ -30,6 +30,12 @@ SEED_TENSORS = {  # name → (ggml type, numpy shape)
     "blk.0.ffn_down.weight": ("Q8_0", (HIDDEN, FF)),
 }
 
+# A byte-level BPE vocabulary the tokenizer can build: "t", "a".."i" merged into "ta".."ti", the
+# digits and the space ("Ġ").
+SEED_TOKENS = ["<s>", "</s>", "t", *"abcdefghi", *(f"t{c}" for c in "abcdefghi"), *"0123456789", "Ġ"]
+SEED_MERGES = [f"t {c}" for c in "abcdefghi"]
+assert len(SEED_TOKENS) == VOCAB
+
 
 def write_seed(path: Path, seed: int = 0, drop_keys: tuple[str, ...] = (),
                tensors: dict[str, tuple[str, tuple[int, ...]]] | None = None,
@@ -57,10 +63,12 @@ def write_seed(path: Path, seed: int = 0, drop_keys: tuple[str, ...] = (),
         if key not in drop_keys:
             add(value)
     writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([f"t{i}" for i in range(VOCAB)])
+    writer.add_token_list(SEED_TOKENS)
+    writer.add_token_merges(SEED_MERGES)
     writer.add_token_scores([float(-i) for i in range(VOCAB)])
-    writer.add_token_types([1] * VOCAB)
-    writer.add_bos_token_id(1)
+    writer.add_token_types([3, 3] + [1] * (VOCAB - 2))  # control tokens, then normal ones
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
     # A byte array: gguf.GGUFReader loops forever on one whose length runs past the file.
     writer.add_key_value("sharkport.test.bytes", list(range(8)), gguf.GGUFValueType.ARRAY,
                          sub_type=gguf.GGUFValueType.UINT8)

@@ -95,6 +95,10 @@ def vocab_mismatch(meta, entries):
     meta["hparams"]["llama.vocab_size"] = 64
 
 
+def bpe_without_merges(meta, entries):
+    del meta["tokenizer"]["tokenizer.ggml.merges"]
+
+
 BREAKS = {  # name → (edits, the messages every one of which must appear)
     "drop-tensor": ([drop_tensor], [r"blk\.0\.ffn_up\.weight is missing"]),
     "drop-entry": ([drop_entry], [r"archive entry blk\.0\.attn_q\.weight:m is missing"]),
@@ -108,6 +112,7 @@ BREAKS = {  # name → (edits, the messages every one of which must appear)
     "negative-layers": ([negative_layers], [r"llama\.block_count is -1; it must be a positive integer"]),
     "block-past-count": ([extra_block], [r"blk\.7\.attn_norm\.weight belongs to block 7, but llama\.block_count is 1"]),
     "vocab-mismatch": ([vocab_mismatch], [r"llama\.vocab_size is 64 but token_embd\.weight has 32 rows"]),
+    "unbuildable-tokenizer": ([bpe_without_merges], [r"the tokenizer cannot be built: .*no tokenizer\.ggml\.merges"]),
     "all-at-once": ([drop_tensor, drop_entry, wrong_shape, wrong_plane_size, wrong_plane_list],
                     [r"ffn_up\.weight is missing", r"attn_q\.weight:m is missing", r"output_norm\.weight has shape",
                      r"token_embd\.weight:qs is int8", r"attn_v\.weight: Q4_0 has planes"]),

@@ -246,7 +246,7 @@ BROKEN = {
     ("rms_norm_eps", -1e-5, r"layer_norm_rms_epsilon is -1e-05; it must be a finite number above 0"),
     ("rope_theta", -10000.0, r"rope.freq_base is -10000.0; it must be a finite number above 0"),
     ("max_position_embeddings", -1, r"context_length is -1; it must be a whole number above 0"),
-    ("partial_rotary_factor", 0.0, r"rope.dimension_count is 0; it must be a whole number above 0"),
+    ("partial_rotary_factor", 0.0, r"partial_rotary_factor is 0.0; it must be a number in \(0, 1\]"),
     ("num_hidden_layers", 0, r"block_count is 0; it must be a whole number above 0"),
 ])
 def test_out_of_range_config_is_one_line_error(tiny, tmp_path, capsys, key, value, message):

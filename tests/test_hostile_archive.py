@@ -132,3 +132,37 @@ def test_broken_tokenizer_is_an_error_not_no_tokenizer(irpa_of, tmp_path, tokeni
     with pytest.raises(SharkportError, match="its tokenizer metadata is broken") as e:
         _tokenizer_or_none(Dataset.load(bad))
     assert str(bad) in str(e.value) and "\n" not in str(e.value)
+
+
+def _hparams(**changes):
+    return lambda meta: meta["hparams"].update(changes)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (_hparams(**{"llama.embedding_length": {"a": 1}}), "llama.embedding_length is {'a': 1}; it must be a whole number"),
+    (_hparams(**{"llama.feed_forward_length": 2.5}), "llama.feed_forward_length is 2.5; it must be a whole number"),
+    (_hparams(**{"llama.context_length": True}), "llama.context_length is True; it must be a whole number"),
+    (_hparams(**{"llama.attention.sliding_window": 2**40}), "sizes and counts above 2147483647"),
+    (_hparams(**{"llama.embedding_length": None}), "missing the required key llama.embedding_length"),
+    (_hparams(**{"general.architecture": ["llama"]}), "architecture ['llama'] (general.architecture) has no recipe"),
+    (_hparams(**{"llama.attention.key_length": 32, "llama.rope.dimension_count": 32}),
+     "blk.0.attn_q.weight has shape [64, 64], but the llama hyperparameters give [128, 64]"),
+    (_hparams(**{"llama.vocab_size": 300}), "token_embd.weight has shape [256, 64], but the llama hyperparameters "
+                                            "give [300, 64]"),
+    (lambda meta: meta.update(tokenizer={"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a", 7]}),
+     "its tokenizer metadata is broken (GGUF key tokenizer.ggml.tokens[1] holds 7, not a string"),
+], ids=["size-a-dict", "size-a-fraction", "size-a-bool", "window-past-int32", "size-null", "arch-a-list",
+        "head-dim-against-tensors", "vocab-against-embedding", "token-not-a-string"])
+def test_metadata_that_disagrees_with_itself_or_the_tensors_is_one_line(irpa_of, tmp_path, edit, message):
+    """Cases the fuzzing of archive metadata (tests/fuzz_inputs.py) found: each hyperparameter is
+    typed and in range before anything is derived from it, and every tensor's shape is the one the
+    hyperparameters give before a layer is built."""
+    from sharkport.api import TextGenerator
+
+    source = irpa_of("gqa-untied")
+    meta = _metadata(source)
+    edit(meta)
+    bad = _rewrite(source, tmp_path / "bad.irpa", json.dumps(meta).encode())
+    with pytest.raises(SharkportError) as e:
+        TextGenerator.eager(bad)
+    assert message in str(e.value) and str(bad) in str(e.value) and "\n" not in str(e.value)

@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import zipfile
 
 import pytest
 
 from sharkport.errors import SharkportError
 from sharkport.runtime.session import IreeSession
+from sharkport.tools import check
 
 
 @pytest.fixture(scope="module")
@@ -83,14 +85,71 @@ def test_config_that_is_no_json_object_is_refused(module, tmp_path, content):
         IreeSession(vmfb, irpa, path)
 
 
-@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
-def test_damaged_module_is_refused(module, tmp_path, damage):
+def _member_range(vmfb, suffix: str) -> tuple[int, int]:
+    """(start, end) of the bytes of the module's ZIP member whose name ends with `suffix`."""
+    with zipfile.ZipFile(vmfb) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith(suffix))
+        with z.open(info) as f:
+            f.read(1)
+            start = f._fileobj.tell() - 1  # where the member's data begins in the file
+    return start, start + info.file_size
+
+
+def _damaged(vmfb, damage: str) -> bytes:
+    data = bytearray(vmfb.read_bytes())
+    if damage in ("executable", "flatbuffer"):
+        start, end = _member_range(vmfb, ".so" if damage == "executable" else "module.fb")
+        at = (start + end) // 2
+        data[at:at + 16] = bytes(b ^ 0x5A for b in data[at:at + 16])
+        return bytes(data)
+    return {"truncated": bytes(data[: len(data) // 3]), "garbage": bytes(range(256)) * 64, "empty": b""}[damage]
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("truncated", "damaged"), ("garbage", "not a compiled IREE module"), ("empty", "not a compiled IREE module"),
+    ("executable", "embedded_elf_x86_64.so is damaged (CRC-32 mismatch)"),
+    ("flatbuffer", "module.fb is damaged (CRC-32 mismatch)"),
+])
+def test_damaged_module_is_refused_before_iree_reads_it(module, tmp_path, damage, words):
+    """Flipped bytes in the embedded executable used to reach IREE, which maps and runs it as it
+    is; every member of the module's ZIP carries a CRC-32, checked first."""
     vmfb, irpa, config = module
-    data = vmfb.read_bytes()
     bad = tmp_path / "bad.vmfb"
-    bad.write_bytes({"truncated": data[: len(data) // 3], "garbage": bytes(range(256)) * 64, "empty": b""}[damage])
-    with pytest.raises(SharkportError, match="bad.vmfb: not a module IREE can load"):
+    bad.write_bytes(_damaged(vmfb, damage))
+    with pytest.raises(SharkportError) as e:
         IreeSession(bad, irpa, config)
+    assert f"{bad}: " in str(e.value) and words in str(e.value) and "compile it again" in str(e.value)
+
+
+def test_check_vmfb_reports_the_module_and_its_config(module, tmp_path, capsys):
+    """`check --vmfb` reads the module in a child process: its functions, its facts, and a config
+    that disagrees with it; a damaged module is one line, exit 2."""
+    vmfb, _, config = module
+    assert check.main(["--vmfb", str(vmfb), "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "functions: decode_bs1, decode_bs4, prefill_bs1, prefill_bs4" in out and f"{vmfb}: OK" in out
+    assert check.main(["--vmfb", str(vmfb), "--config", str(_edited(config, tmp_path, _stride_32))]) == 1
+    assert "problem: " in capsys.readouterr().out
+    bad = tmp_path / "bad.vmfb"
+    bad.write_bytes(_damaged(vmfb, "executable"))
+    proc = subprocess.run([sys.executable, "-m", "sharkport.tools.check", "--vmfb", str(bad)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "CRC-32 mismatch" in proc.stderr
+
+
+def test_config_for_another_device_count_is_refused_by_the_signature(module, tmp_path):
+    """A config for two devices (consistent in itself) against a one-device module: the functions'
+    calling convention has one cache argument, not two."""
+    vmfb, irpa, config = module
+
+    def two_devices(d):  # the model's one kv head claimed as two, split one per device
+        kv = d["paged_kv_cache"]
+        kv["paged_kv_block_size_elements_per_device"] *= 2
+        kv["attention_head_count_kv"] = 2
+        d["tensor_parallelism_size"] = 2
+
+    with pytest.raises(SharkportError, match="takes 4 arguments and gives 1 results; sharkport's ABI"):
+        IreeSession(vmfb, irpa, _edited(config, tmp_path, two_devices))
 
 
 def test_module_carries_its_facts(module):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import tempfile
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
-from ..errors import SharkportError
+from ..errors import SharkportError, short
 from ..formats.irpa import (ARCHIVE_VERSION, METADATA_KEY, Slot, copy_range, tensor_metadata, with_metadata, write_at,
                             write_slots)
 
@@ -94,15 +95,19 @@ def write_archive(path: str | os.PathLike, entries: Iterable[Entry], metadata: d
         write_slots(path, all_slots, fill)
 
 
-def parse_metadata(raw: bytes, path: Any) -> dict[str, Any]:
+def parse_metadata(raw: bytes, path: Any, tensors: bool = True) -> dict[str, Any]:
     """The bytes of an archive's METADATA_KEY entry as metadata, checked for what every reader
     relies on (an object with hparams and tensors, each tensor a known type, a shape of whole
-    numbers, its type's planes); else one SharkportError naming `path`."""
+    numbers, its type's planes); else one SharkportError naming `path`. `tensors=False` leaves
+    the tensors' layouts to the caller (`check` reports each bad one: layout_problem)."""
     try:
         metadata = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise SharkportError(f"{path}: its {METADATA_KEY} entry is not JSON ({e}); re-create the archive") from None
     problem = _metadata_problem(metadata)
+    if problem is None and tensors:
+        problem = next((f"gives tensor {p}" for p in (layout_problem(n, layout) for n, layout in
+                                                       metadata["tensors"].items()) if p), None)
     if problem:
         raise SharkportError(f"{path}: its {METADATA_KEY} metadata {problem}; re-create the archive")
     return metadata
@@ -118,17 +123,21 @@ def _metadata_problem(m: Any) -> str | None:
     if m.get("tokenizer") is not None and not isinstance(m["tokenizer"], dict):
         return "has a tokenizer that is not an object"
     if m.get("rope_layout", "interleaved") not in ("interleaved", "half"):
-        return f"has an unknown rope_layout {m['rope_layout']!r}"
-    for name, layout in m["tensors"].items():
-        kind = layout.get("type") if isinstance(layout, dict) else None
-        if kind not in PLAIN_TYPES and kind not in BLOCK_TYPES:
-            return f"gives tensor {name} no known type ({kind!r})"
-        shape = layout.get("shape")
-        if not isinstance(shape, list) or not shape or \
-                not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            return f"gives tensor {name} the shape {shape!r}, not a list of whole numbers"
-        if kind in BLOCK_TYPES and layout.get("planes") != [f for f, _, _ in BLOCK_TYPES[kind].fields]:
-            return f"lists the planes {layout.get('planes')!r} for tensor {name} of type {kind}"
+        return f"has an unknown rope_layout {short(m['rope_layout'])}"
+    return None
+
+
+def layout_problem(name: str, layout: Any) -> str | None:
+    """What is wrong with one tensor's layout {type, shape, planes} ("NAME ..."), or None."""
+    kind = layout.get("type") if isinstance(layout, dict) else None
+    if not isinstance(kind, str) or (kind not in PLAIN_TYPES and kind not in BLOCK_TYPES):
+        return f"{short(name)} no known type ({short(kind)})"
+    shape = layout.get("shape")
+    if not isinstance(shape, list) or not shape or \
+            not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        return f"{short(name)} the shape {short(shape)}, not a list of whole numbers"
+    if kind in BLOCK_TYPES and layout.get("planes") != [f for f, _, _ in BLOCK_TYPES[kind].fields]:
+        return f"{short(name)} of type {kind} the planes {short(layout.get('planes'))}"
     return None
 
 
@@ -167,7 +176,7 @@ def read_archive(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Wei
         try:
             meta = json.loads(entries[key].raw.metadata.decode().removeprefix("PYTORCH:"))
             dtype, shape = _NAME_TO_TORCH[meta["dtype"]], [int(d) for d in meta["shape"]]
-            if raw.nbytes != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+            if raw.nbytes != math.prod(shape) * dtype.itemsize:
                 raise ValueError(f"{raw.nbytes} bytes for {meta['dtype']} {shape}")
         except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
             raise SharkportError(f"{path}: entry {key} has no valid tensor description ({e}); "

@@ -170,9 +170,11 @@ class ServiceConfig:
         if self.max_seq_len % self.block_seq_stride:
             fail(f"max_seq_len {self.max_seq_len} is not a multiple of block_seq_stride {self.block_seq_stride}")
         n = self.tensor_parallelism_size
-        heads = self.attention_head_count_kv // n if self.attention_head_count_kv % n == 0 else None
-        page = None if heads is None else \
-            self.transformer_block_count * 2 * self.block_seq_stride * heads * self.attn_head_dim
+        if self.attention_head_count_kv % n:
+            fail(f"attention_head_count_kv {self.attention_head_count_kv} does not split among "
+                 f"tensor_parallelism_size {n} devices")
+        page = self.transformer_block_count * 2 * self.block_seq_stride * self.attention_head_count_kv // n \
+            * self.attn_head_dim
         if page != self.page_elems:
             fail(f"paged_kv_block_size_elements_per_device is {self.page_elems}, but {self.transformer_block_count} "
                  f"layers x 2 x block_seq_stride {self.block_seq_stride} x {self.attention_head_count_kv} kv heads"

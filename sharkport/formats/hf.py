@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..errors import SharkportError
+from ..errors import SharkportError, json_type, short
 from .keys import GEMMA3_KEYS, GPT2_KEYS, HPARAMS, LLAMA_KEYS, HParams
 from .names import hf_to_gguf
 
@@ -197,6 +198,9 @@ def read_hf(model_dir: str | os.PathLike) -> HfCheckpoint:
         raise SharkportError(f"{path}: not a directory; pass --model-dir a Hugging Face checkpoint folder")
     config = _read_json(path / "config.json", "the model's config.json")
     archs = config.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise SharkportError(f"{path / 'config.json'}: architectures is {short(archs)}, not a list of class names; "
+                             "re-download it")
     arch = ARCHITECTURES.get(archs[0]) if archs else None
     if arch is None:
         raise SharkportError(
@@ -217,7 +221,10 @@ def hf_tokenizer_files(model_dir: str | os.PathLike) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in ("tokenizer.json", "chat_template.jinja"):
         if (path / name).is_file():
-            out[name] = (path / name).read_text(encoding="utf-8")
+            try:
+                out[name] = (path / name).read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:
+                raise SharkportError(f"{path / name}: not UTF-8 text ({e}); re-download it") from None
     if (path / "tokenizer.model").is_file():
         out["tokenizer.model"] = base64.b64encode((path / "tokenizer.model").read_bytes()).decode()
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
@@ -230,9 +237,12 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
     if not path.is_file():
         raise SharkportError(f"{path}: missing; a Hugging Face checkpoint folder needs {what}")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise SharkportError(f"{path}: not valid JSON ({e}); re-download it") from None
+    if not isinstance(value, dict):
+        raise SharkportError(f"{path}: holds a JSON {json_type(value)}, not an object; re-download it")
+    return value
 
 
 def _hparams(config: dict[str, Any], arch: str, hf_arch: str, where: Path) -> HParams:
@@ -244,11 +254,27 @@ def _hparams(config: dict[str, Any], arch: str, hf_arch: str, where: Path) -> HP
         raise SharkportError(f"{where}: {e}") from None
     except KeyError as e:  # hidden_size / num_attention_heads absent
         raise SharkportError(f"{where}: missing the required key {e}") from None
+    except (TypeError, ValueError, AttributeError, ArithmeticError) as e:  # a mistyped field the readers use
+        raise SharkportError(f"{where}: a field has a value of the wrong type or range ({e}); "
+                             "re-download config.json") from None
 
 
 def _keys(arch: str, table: dict[str, tuple[str, Any]], values: dict[str, Any]) -> dict[str, Any]:
     """HParams field → value (None: absent) as `{arch}.…` GGUF keys."""
     return {f"{arch}.{table[field][0]}": v for field, v in values.items() if v is not None}
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _quotient(hidden: Any, heads: Any) -> Any:
+    """hidden // heads, or None when either is not a positive count (the range check names it)."""
+    return hidden // heads if _is_count(hidden) and _is_count(heads) else None
 
 
 def _check_rope(rope: dict[str, Any], where: str) -> None:
@@ -269,9 +295,11 @@ def _llama_config(config: dict[str, Any], hf_arch: str, where: Path) -> dict[str
     _check_rope(rope, "")
     values = {field: config.get(key) for field, key in _CONFIG_KEYS.items()}
     values["rope_freq_base"] = rope.get("rope_theta", config.get("rope_theta"))
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    head_dim = config.get("head_dim") or _quotient(config["hidden_size"], config["num_attention_heads"])
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    values["rope_dim"] = int(head_dim * partial)
+    if not _is_number(partial) or not 0 < partial <= 1:
+        raise SharkportError(f"partial_rotary_factor is {short(partial)}; it must be a number in (0, 1]")
+    values["rope_dim"] = int(head_dim * partial) if _is_count(head_dim) else head_dim
     window = config.get("sliding_window")
     if window and config.get("use_sliding_window", True):
         if hf_arch == "Qwen2ForCausalLM":

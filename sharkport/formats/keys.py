@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..errors import SharkportError
+from ..errors import SharkportError, short
 
 _REQUIRED = object()
 
@@ -66,6 +66,7 @@ GPT2_KEYS: dict[str, tuple[str, Any]] = {
     "vocab_size": ("vocab_size", None),
 }
 
+MAX_SIZE = 2**31 - 1  # every size and count a model holds fits in int32 (positions, windows, rows)
 _POSITIVE_INTS = {"block_count", "embedding_length", "feed_forward_length", "head_count", "head_count_kv",
                   "head_dim", "rope_dim", "context_length", "vocab_size"}
 _POSITIVE_FLOATS = {"rope_freq_base", "rms_eps", "norm_eps", "rope_freq_base_swa"}
@@ -89,13 +90,7 @@ class HParams:
         them sizes every allocation and a negative epsilon gives NaN logits); the optional
         counts and caps are at least 0."""
         for f in dataclasses.fields(self):
-            value, name = getattr(self, f.name), f"{self.arch}.{self.KEYS.get(f.name, (f.name,))[0]}"
-            if f.name in _POSITIVE_INTS and not (isinstance(value, int) and value > 0):
-                raise SharkportError(f"{name} is {value!r}; it must be a whole number above 0")
-            if f.name in _POSITIVE_FLOATS and not (math.isfinite(value) and value > 0):
-                raise SharkportError(f"{name} is {value!r}; it must be a finite number above 0")
-            if f.name in _NON_NEGATIVE and isinstance(value, (int, float)) and not value >= 0:
-                raise SharkportError(f"{name} is {value!r}; it must be at least 0")
+            _check_range(self.arch, self.KEYS, f.name, getattr(self, f.name))
 
     @classmethod
     def from_metadata(cls, metadata: dict[str, Any], vocab_size: int | None = None):
@@ -104,10 +99,12 @@ class HParams:
         arch = metadata.get("general.architecture")
         if not arch:
             raise SharkportError("metadata has no general.architecture key; is this a model file?")
+        if not isinstance(arch, str):
+            raise SharkportError(f"general.architecture is {short(arch)}, not a name")
         values: dict[str, Any] = {"arch": arch}
         for field, (suffix, default) in cls.KEYS.items():
             key = f"{arch}.{suffix}"
-            if key in metadata:
+            if metadata.get(key) is not None:
                 values[field] = metadata[key]
             elif default is _REQUIRED:
                 raise SharkportError(f"metadata is missing the required key {key}")
@@ -115,9 +112,13 @@ class HParams:
                 values[field] = default
         if values.get("vocab_size") is None:
             values["vocab_size"] = vocab_size if vocab_size is not None else _tokenizer_size(metadata)
-        cls._derive(values)
         types = {f.name: f.type for f in dataclasses.fields(cls)}
-        return cls(**{k: _convert(v, types[k]) for k, v in values.items()})
+        for field, value in values.items():  # typed and in range before anything is derived from them
+            if field != "arch" and value is not None:  # None: derived from the others below
+                values[field] = _convert(value, types[field], f"{arch}.{cls.KEYS.get(field, (field,))[0]}")
+                _check_range(arch, cls.KEYS, field, values[field])
+        cls._derive(values)
+        return cls(**values)
 
     @classmethod
     def _derive(cls, values: dict[str, Any]) -> None:
@@ -205,6 +206,15 @@ class Gemma3HParams(LlamaHParams):
             out.pop(f"{self.arch}.{self.KEYS['attention_scale'][0]}", None)
         return out
 
+    def __post_init__(self):
+        super().__post_init__()
+        p, key = self.sliding_window_pattern, f"{self.arch}.{self.KEYS['sliding_window_pattern'][0]}"
+        if isinstance(p, list) and (len(p) != self.block_count or not all(isinstance(x, (bool, int)) for x in p)):
+            raise SharkportError(f"{key} lists {len(p)} values; it needs one true/false per block "
+                                 f"({self.block_count})")
+        if not isinstance(p, list) and not (isinstance(p, int) and not isinstance(p, bool) and p > 0):
+            raise SharkportError(f"{key} is {short(p)}; it must be a whole number above 0 or one true/false per block")
+
     def is_sliding(self, layer: int) -> bool:
         """Whether `layer` attends through the sliding window (local) or to everything (global).
         An int pattern n makes every n-th layer global, as llama.cpp does for Gemma-3."""
@@ -226,6 +236,13 @@ class GPT2HParams(HParams):
     norm_eps: float
     context_length: int
     vocab_size: int
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.embedding_length % self.head_count:
+            raise SharkportError(f"{self.arch}.attention.head_count ({self.head_count}) does not divide "
+                                 f"{self.arch}.embedding_length ({self.embedding_length}); the model metadata "
+                                 "is inconsistent")
 
     @classmethod
     def _derive(cls, values: dict[str, Any]) -> None:
@@ -250,14 +267,31 @@ HPARAMS: dict[str, type[HParams]] = {
 }
 
 
-def _convert(value: Any, type_name: str) -> Any:
-    if value is None or isinstance(value, list):
+def _convert(value: Any, type_name: str, key: str) -> Any:
+    """A metadata value as its field's type: an int field takes whole numbers, a float field any
+    number; else one SharkportError naming the key."""
+    if value is None or (isinstance(value, list) and "list" in type_name):
         return value
-    if type_name == "float":
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if type_name.startswith("float") and number:
         return float(value)
-    if type_name == "int":
+    if type_name.startswith("int") and number and (isinstance(value, int) or float(value).is_integer()):
         return int(value)
-    return value
+    kind = "a whole number" if type_name.startswith("int") else "a number"
+    raise SharkportError(f"{key} is {short(value)}; it must be {kind}")
+
+
+def _check_range(arch: str, keys: dict[str, tuple[str, Any]], field: str, value: Any) -> None:
+    name = f"{arch}.{keys.get(field, (field,))[0]}"
+    if field in _POSITIVE_INTS and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        raise SharkportError(f"{name} is {short(value)}; it must be a whole number above 0")
+    if field in _POSITIVE_INTS | _NON_NEGATIVE and isinstance(value, int) and value > MAX_SIZE:
+        raise SharkportError(f"{name} is {value}; sizes and counts above {MAX_SIZE} are not supported")
+    if field in _POSITIVE_FLOATS and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                          and math.isfinite(value) and value > 0):
+        raise SharkportError(f"{name} is {short(value)}; it must be a finite number above 0")
+    if field in _NON_NEGATIVE and isinstance(value, (int, float)) and not value >= 0:
+        raise SharkportError(f"{name} is {short(value)}; it must be at least 0")
 
 
 def _tokenizer_size(metadata: dict[str, Any]) -> int:

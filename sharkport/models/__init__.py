@@ -31,7 +31,7 @@ def build_model(dataset: Dataset, config: ModelConfig | None = None) -> CausalLM
         raise SharkportError(f"{dataset.path}: is {what} ({tp['size']} ranks); only the tensor-parallel export "
                              "and compiled module read it (docs/parallel.md); use the unsharded archive here")
     arch = dataset.architecture
-    if arch not in RECIPES:
+    if not isinstance(arch, str) or arch not in RECIPES:
         raise SharkportError(
             f"{dataset.path}: architecture {arch!r} (general.architecture) has no recipe; "
             f"known architectures: {', '.join(sorted(RECIPES))}"

@@ -59,13 +59,24 @@ class CausalLM(torch.nn.Module):
     def context_length(self) -> int:
         return self.hp.context_length
 
-    def _require_tensors(self, path, names: list[str]) -> None:
-        """One error naming the first missing tensors, before any layer is built."""
-        missing = [n for n in names if n not in self.theta]
+    def _require_tensors(self, path, shapes: dict[str, tuple[int, ...]]) -> None:
+        """One error naming the first missing tensors, or the first whose shape is not the one the
+        hyperparameters give (numpy order), before any layer is built: the sizes every product,
+        cache and token-id bound uses come from the hyperparameters."""
+        missing = [n for n in shapes if n not in self.theta]
         if missing:
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
             raise SharkportError(f"{path}: {self.hp.arch} model is missing tensors {', '.join(missing[:3])}"
                                  f"{more}; the file is incomplete or not a {self.hp.arch} model")
+        for name, shape in shapes.items():
+            if tuple(self.theta[name].shape) != tuple(shape):
+                raise SharkportError(f"{path}: {name} has shape {list(self.theta[name].shape)}, but the "
+                                     f"{self.hp.arch} hyperparameters give {list(shape)}; the file's metadata "
+                                     "and tensors disagree: re-create it")
+
+    def _present(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        """The optional tensors of `shapes` that the weights have (biases, an untied output)."""
+        return {n: s for n, s in shapes.items() if n in self.theta}
 
     def run_blocks(self, step: Callable, h: torch.Tensor, inputs: tuple[torch.Tensor, ...],
                    cache_state: torch.Tensor) -> torch.Tensor:

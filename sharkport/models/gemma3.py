@@ -25,10 +25,6 @@ from ..layers import AttentionConfig, GeGLU, PagedAttention, PagedCache
 from ..ops import embedding, linear, rms_norm, rope_angles, softcap
 from .base import CausalLM, ModelConfig
 
-_BLOCK_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_output",
-                  "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm")
-
-
 class Gemma3(CausalLM):
     def __init__(self, dataset: Dataset, config: ModelConfig):
         super().__init__()
@@ -39,8 +35,14 @@ class Gemma3(CausalLM):
             # Gemma-3 4B and larger scale the global layers' positions; not implemented yet.
             raise SharkportError(f"{dataset.path}: gemma3 rope scaling ({scaling}) is not supported yet; "
                                  "only unscaled models (such as Gemma-3-270M and 1B) run")
-        self._require_tensors(dataset.path, ["token_embd.weight", "output_norm.weight"] + [
-            f"blk.{i}.{n}.weight" for i in range(hp.block_count) for n in _BLOCK_TENSORS])
+        E, F, V, D = hp.embedding_length, hp.feed_forward_length, hp.vocab_size, hp.head_dim
+        Q, KV = hp.head_count * D, hp.head_count_kv * D
+        block = {"attn_norm": (E,), "attn_q": (Q, E), "attn_k": (KV, E), "attn_v": (KV, E), "attn_q_norm": (D,),
+                 "attn_k_norm": (D,), "attn_output": (E, Q), "post_attention_norm": (E,), "ffn_norm": (E,),
+                 "ffn_gate": (F, E), "ffn_up": (F, E), "ffn_down": (E, F), "post_ffw_norm": (E,)}
+        self._require_tensors(dataset.path, {"token_embd.weight": (V, E), "output_norm.weight": (E,)}
+                              | self._present({"output.weight": (V, E)})
+                              | {f"blk.{i}.{n}.weight": s for i in range(hp.block_count) for n, s in block.items()})
         self.cache = PagedCache(hp.block_count, hp.head_count_kv, hp.head_dim, config.block_seq_stride)
         self.sliding = [hp.is_sliding(i) for i in range(hp.block_count)]
 

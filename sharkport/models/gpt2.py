@@ -12,17 +12,19 @@ from ..layers import AttentionConfig, GeluMLP, PagedAttention, PagedCache
 from ..ops import embedding, layer_norm, linear
 from .base import CausalLM, ModelConfig
 
-_BLOCK_TENSORS = [f"{n}.{kind}" for n in ("attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down")
-                  for kind in ("weight", "bias")]
-
-
 class GPT2(CausalLM):
     def __init__(self, dataset: Dataset, config: ModelConfig):
         super().__init__()
         hp = GPT2HParams.from_metadata(dataset.hparams)
         self.hp, self.config, self.theta = hp, config, dataset.theta
-        expected = ["token_embd.weight", "position_embd.weight", "output_norm.weight", "output_norm.bias"]
-        expected += [f"blk.{i}.{n}" for i in range(hp.block_count) for n in _BLOCK_TENSORS]
+        E, F, V = hp.embedding_length, hp.feed_forward_length, hp.vocab_size
+        block = {"attn_norm": (E,), "attn_qkv": (3 * E, E), "attn_output": (E, E), "ffn_norm": (E,),
+                 "ffn_up": (F, E), "ffn_down": (E, F)}
+        expected = {"token_embd.weight": (V, E), "position_embd.weight": (hp.context_length, E),
+                    "output_norm.weight": (E,), "output_norm.bias": (E,)} | self._present({"output.weight": (V, E)})
+        for i in range(hp.block_count):
+            expected |= {f"blk.{i}.{n}.weight": s for n, s in block.items()}
+            expected |= {f"blk.{i}.{n}.bias": s[:1] for n, s in block.items()}
         self._require_tensors(dataset.path, expected)
         self.cache = PagedCache(hp.block_count, hp.head_count, hp.head_dim, config.block_seq_stride)
         attn = AttentionConfig(hp.head_count, hp.head_count, hp.head_dim, rope_layout="half")

@@ -32,12 +32,19 @@ class Llama(CausalLM):
         self.output = self._output_weight()
 
     def _check_tensors(self, dataset: Dataset) -> None:
-        ffn = (("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps") if self.hp.expert_count
-               else ("ffn_gate", "ffn_up", "ffn_down"))
-        expected = ["token_embd.weight", "output_norm.weight"] + [
-            f"blk.{i}.{n}.weight" for i in range(self.hp.block_count)
-            for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", *ffn)
-        ]
+        hp = self.hp
+        E, F, V, X = hp.embedding_length, hp.feed_forward_length, hp.vocab_size, hp.expert_count
+        Q, KV = hp.head_count * hp.head_dim, hp.head_count_kv * hp.head_dim
+        ffn = ({"ffn_gate_inp": (X, E), "ffn_gate_exps": (X, F, E), "ffn_up_exps": (X, F, E),
+                "ffn_down_exps": (X, E, F)} if X else {"ffn_gate": (F, E), "ffn_up": (F, E), "ffn_down": (E, F)})
+        block = {"attn_norm": (E,), "attn_q": (Q, E), "attn_k": (KV, E), "attn_v": (KV, E),
+                 "attn_output": (E, Q), "ffn_norm": (E,), **ffn}
+        biases = {"attn_q": (Q,), "attn_k": (KV,), "attn_v": (KV,), "attn_output": (E,)}
+        expected = {"token_embd.weight": (V, E), "output_norm.weight": (E,)}
+        expected |= self._present({"output.weight": (V, E)})
+        for i in range(hp.block_count):
+            expected |= {f"blk.{i}.{n}.weight": s for n, s in block.items()}
+            expected |= self._present({f"blk.{i}.{n}.bias": s for n, s in biases.items()})
         self._require_tensors(dataset.path, expected)
 
     def _rope(self, positions: torch.Tensor):

@@ -20,6 +20,7 @@ import torch
 from ..errors import SharkportError
 from ..export.abi import MODULE_FACTS, REFLECTION_KEY, ServiceConfig
 from . import hugepages
+from .vmfb import arity, check_file
 
 _NP_CACHE_DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -201,6 +202,7 @@ class IreeSession(Session):
         source = "the service config" if isinstance(config, ServiceConfig) else str(config)
         if not isinstance(config, ServiceConfig):
             config = ServiceConfig.load(config)
+        check_file(vmfb)  # a damaged executable would crash this process once IREE runs it
         instance = rt.VmInstance()
         try:
             main = rt.VmModule.mmap(instance, str(vmfb))
@@ -393,6 +395,13 @@ def checked_against_module(main, config: ServiceConfig, vmfb, source: str) -> Se
                 have = sorted(f for f in main.function_names if f.startswith(f"{kind}_bs") and "$" not in f)
                 raise SharkportError(f"{source}: {kind} batch size {bs} is not in {vmfb} (it has "
                                      f"{', '.join(have) or 'none'}); use the config exported with the module")
+            inputs = (3 if kind == "prefill" else 4) + config.tensor_parallelism_size  # + a cache per device
+            have = arity(fn)
+            if have is not None and have != (inputs, 1):
+                raise SharkportError(f"{vmfb}: {kind}_bs{bs} takes {have[0]} arguments and gives {have[1]} "
+                                     f"results; sharkport's ABI (docs/abi.md) has {inputs} and 1 for "
+                                     f"{config.tensor_parallelism_size} device(s); use the config exported "
+                                     "with the module")
             raw = fn.reflection.get(REFLECTION_KEY)
             if raw is not None and facts is None:
                 try:

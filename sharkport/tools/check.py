@@ -2,13 +2,15 @@
 
     python -m sharkport.tools.check --irpa-file x.irpa [--values]
     python -m sharkport.tools.check --gguf-file x.gguf [--values]
+    python -m sharkport.tools.check --vmfb x.vmfb [--config x.json] [--irpa-file x.irpa]
 
 Checks that the hyperparameters are present and coherent (heads divide the embedding, kv heads
 divide heads, rotary dims fit the head), that every tensor the llama recipe needs is present
 with the shape the hyperparameters give (llama family: llama, mistral, qwen2; the hyperparameters
 alone for other architectures), that quantized tensors have whole blocks and the planes
 their block type has, and (for an .irpa) that every entry has the dtype, shape and byte size its
-layout says. With --values it also scans for NaN/inf values and quantization scales. Prints one
+layout says. With --values it also scans for NaN/inf values and quantization scales. A compiled
+module is checked by runtime/vmfb.py (CRCs, IREE's reading in a child process). Prints one
 line per problem and exits 1 if there are any (2 if the file cannot be read at all).
 
 The functions here are the library; `dump_gguf --check` uses them too.
@@ -26,7 +28,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..errors import SharkportError, cli_main, prog
+from ..errors import SharkportError, cli_main, prog, short
 from ..formats import keys
 from ..formats.gguf import GgufFile, read_gguf
 from ..formats.keys import HPARAMS, LLAMA_KEYS, LlamaHParams
@@ -72,7 +74,7 @@ def check_hparams(hparams: dict[str, Any]) -> tuple[list[str], LlamaHParams | No
     arch = hparams.get("general.architecture")
     if not arch:
         return ["metadata has no general.architecture key; is this a model file?"], None
-    if arch not in HPARAMS:
+    if not isinstance(arch, str) or arch not in HPARAMS:
         return [f"architecture {arch!r} has no recipe (known: {', '.join(sorted(HPARAMS))})"], None
     if HPARAMS[arch] is not LlamaHParams:  # shapes are known for the llama family only
         try:
@@ -129,7 +131,7 @@ def _template_of(name: str) -> tuple[str, int | None] | None:
 def check_tensors(hparams: dict[str, Any], layouts: dict[str, dict[str, Any]],
                   tokenizer: dict[str, Any] | None = None) -> tuple[list[str], list[str]]:
     """(problems, notes) for tensor layouts {name: {type, shape, planes}} against the hyperparameters."""
-    problems, notes = [], []
+    problems, notes = tokenizer_problems(tokenizer) if tokenizer else [], []
     for name, layout in layouts.items():
         type_name, shape = layout.get("type"), tuple(layout.get("shape", ()))
         if type_name not in SUPPORTED_TYPES:
@@ -141,7 +143,7 @@ def check_tensors(hparams: dict[str, Any], layouts: dict[str, dict[str, Any]],
                 problems.append(f"{name}: {type_name} rows must hold whole blocks of {block.block_size} "
                                 f"values, but its shape is {list(shape)}")
             expected_planes = [f for f, _, _ in block.fields]
-            if "planes" in layout and list(layout["planes"]) != expected_planes:
+            if "planes" in layout and layout["planes"] != expected_planes:
                 problems.append(f"{name}: {type_name} has planes {expected_planes}, the metadata lists "
                                 f"{layout['planes']}")
 
@@ -160,7 +162,7 @@ def check_tensors(hparams: dict[str, Any], layouts: dict[str, dict[str, Any]],
             problems.append(f"{hp.arch}.vocab_size is {hparams[f'{hp.arch}.vocab_size']} but "
                             f"token_embd.weight has {vocab} rows")
     tokens = (tokenizer or {}).get("tokenizer.ggml.tokens")
-    if tokens is not None and len(tokens) > vocab:
+    if isinstance(tokens, list) and len(tokens) > vocab:
         problems.append(f"the tokenizer has {len(tokens)} tokens but the embedding only {vocab} rows; "
                         "token ids past the table would read out of bounds")
     dims = {"E": hp.embedding_length, "F": hp.feed_forward_length, "V": vocab,
@@ -186,6 +188,33 @@ def check_tensors(hparams: dict[str, Any], layouts: dict[str, dict[str, Any]],
             problems.append(f"{name} belongs to block {known[1]}, but {hp.arch}.block_count is "
                             f"{hp.block_count}")
     return problems, notes
+
+
+def well_formed(layouts: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """(the layouts that have a type name and a shape of whole numbers, a problem for each other)."""
+    good, problems = {}, []
+    for name, layout in layouts.items():
+        kind, shape = (layout.get("type"), layout.get("shape")) if isinstance(layout, dict) else (None, None)
+        if not isinstance(kind, str):
+            problems.append(f"{short(name)}: the metadata gives it no type name ({short(kind)})")
+        elif not isinstance(shape, list) or not shape or \
+                not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            problems.append(f"{short(name)}: the metadata gives it the shape {short(shape)}, not a list of whole "
+                            "numbers")
+        else:
+            good[name] = layout
+    return good, problems
+
+
+def tokenizer_problems(tokenizer: dict[str, Any]) -> list[str]:
+    """A problem line if no tokenizer can be built from the `tokenizer.*` metadata."""
+    from ..tokenizer import Tokenizer
+
+    try:
+        Tokenizer.from_gguf_metadata(tokenizer)
+    except SharkportError as e:
+        return [f"the tokenizer cannot be built: {e}"]
+    return []
 
 
 def expected_entries(layouts: dict[str, dict[str, Any]]) -> Iterator[tuple[str, str, str, tuple[int, ...]]]:
@@ -220,7 +249,7 @@ def check_entries(layouts: dict[str, dict[str, Any]], entries: dict[str, Any]) -
         if (stored_dtype, stored_shape) != (dtype, shape):
             problems.append(f"{tensor}: archive entry {key} is {stored_dtype} {list(stored_shape)}; "
                             f"its layout needs {dtype} {list(shape)}")
-        n_bytes = int(np.prod(shape, dtype=np.int64)) * _ITEMSIZE[dtype]
+        n_bytes = math.prod(shape) * _ITEMSIZE[dtype]
         if raw.length != n_bytes:
             problems.append(f"{tensor}: archive entry {key} holds {raw.length} bytes; {dtype} "
                             f"{list(shape)} needs {n_bytes}")
@@ -246,7 +275,7 @@ def check_archive(path: str | Path, values: bool = False) -> tuple[list[str], li
     """(problems, notes) of an .irpa; raises SharkportError only when it cannot be read at all."""
     from iree.turbine.aot import ParameterArchive
 
-    from ..archive.irpa import METADATA_KEY
+    from ..archive.irpa import METADATA_KEY, parse_metadata
 
     path = Path(path)
     if not path.is_file():
@@ -258,12 +287,10 @@ def check_archive(path: str | Path, values: bool = False) -> tuple[list[str], li
     if METADATA_KEY not in entries:
         raise SharkportError(f"{path}: has no {METADATA_KEY} entry, so sharkport did not write it; "
                              "re-import the model with `python -m sharkport.tools.dump_gguf --output-irpa`")
-    try:
-        metadata = json.loads(bytes(np.asarray(entries[METADATA_KEY].raw.file_view)))
-        layouts, hparams = metadata["tensors"], metadata["hparams"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise SharkportError(f"{path}: its {METADATA_KEY} metadata is unreadable ({e}); re-create it") from None
-    problems, notes = check_tensors(hparams, layouts, metadata.get("tokenizer"))
+    metadata = parse_metadata(bytes(np.asarray(entries[METADATA_KEY].raw.file_view)), path, tensors=False)
+    layouts, layout_problems = well_formed(metadata["tensors"])
+    problems, notes = check_tensors(metadata["hparams"], layouts, metadata.get("tokenizer"))
+    problems = layout_problems + problems
     entry_problems, entry_notes = check_entries(layouts, entries)
     problems, notes = problems + entry_problems, notes + entry_notes
     if values:
@@ -313,11 +340,26 @@ def main(argv: list[str] | None = None) -> int:
         description="Check that a model's metadata and tensors agree (expected tensors present, "
                     "shapes, quantized planes, entry sizes, coherent hyperparameters). Prints every "
                     "problem, one per line; exit 1 if any, 2 if the file cannot be read.")
-    add_model_source(parser)
+    add_model_source(parser, required=False)
     parser.add_argument("--values", action="store_true",
                         help="also scan values and quantization scales for NaN/inf (reads every byte)")
+    parser.add_argument("--vmfb", type=Path,
+                        help="a compiled module: checks every embedded file against its CRC-32, then has "
+                             "IREE read it in a child process; run modules from others only after this")
+    parser.add_argument("--config", type=Path, help="with --vmfb: the service config, checked against the module")
     add_verbose(parser)
     args = parser.parse_args(argv)
+    if not (args.gguf_file or args.irpa_file or args.hf_dataset or args.vmfb):
+        parser.error("give a model (--gguf-file, --irpa-file or --hf-dataset), a module (--vmfb), or both")
+    if args.config and not args.vmfb:
+        parser.error("--config is checked against a module: give --vmfb too")
+    status = 0
+    if args.vmfb:
+        from ..runtime.vmfb import check_module
+
+        status = print_findings(args.vmfb, *check_module(args.vmfb, args.config))
+        if not (args.gguf_file or args.irpa_file or args.hf_dataset):
+            return status
     if args.hf_dataset:  # its GGUF file, or the archive imported from its checkpoint
         path = hf_dataset_path(args.hf_dataset)
         args.gguf_file, args.irpa_file = (path, None) if path.is_file() else (None, hf_dataset_path(args.hf_dataset, "irpa"))
@@ -325,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         problems, notes = check_archive(args.irpa_file, values=args.values)
     else:
         problems, notes = check_gguf(read_gguf(args.gguf_file), values=args.values)
-    return print_findings(args.irpa_file or args.gguf_file, problems, notes)
+    return max(status, print_findings(args.irpa_file or args.gguf_file, problems, notes))
 
 
 if __name__ == "__main__":
