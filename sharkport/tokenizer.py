@@ -205,10 +205,9 @@ def tokenizer_metadata_from_hf(files: Mapping[str, Any], where: Any = "") -> dic
     config = dict(files.get("special_tokens_map.json") or {}) | dict(files.get("tokenizer_config.json") or {})
     template = files.get("chat_template.jinja") or config.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
     if "tokenizer.json" in files:
-        from tokenizers import Tokenizer as HFTokenizer
-
         tk = _load_hf_json(files["tokenizer.json"], f"{where or 'the checkpoint'}: its tokenizer.json")
         meta: dict[str, Any] = {_KEY_HF_JSON: files["tokenizer.json"]}
         lookup = tk.token_to_id
