@@ -7,6 +7,7 @@ so a user who sees only the message can act on it.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import sys
 from typing import Callable
@@ -14,6 +15,16 @@ from typing import Callable
 
 class SharkportError(Exception):
     """A problem with the user's input or environment, reported as one line without traceback."""
+
+
+def is_whole(value) -> bool:
+    """A whole number as a file holds one (JSON's true and false are not numbers here)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    """A finite number as a file holds one (not a boolean, not NaN or infinite)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def json_type(value) -> str:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
-from sharkport.errors import SharkportError, json_type, short
+from sharkport.errors import SharkportError, is_whole, json_type, short
 
 __all__ = ["Tokenizer", "StreamDecoder", "tokenizer_metadata", "tokenizer_metadata_from_hf",
            "write_hf_tokenizer", "KNOWN_PRE_TOKENIZERS"]
@@ -294,7 +294,7 @@ def _spm_metadata(model_b64: str, config: Mapping[str, Any], where: Any) -> dict
 # What each kind of tokenizer value must be: (test, what the error calls it).
 _KINDS: dict[type, tuple[Callable[[Any], bool], str]] = {
     str: (lambda v: isinstance(v, str), "a string"),
-    int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "a whole number"),
+    int: (is_whole, "a whole number"),
     float: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v), "a number"),
     bool: (lambda v: isinstance(v, bool) or v in (0, 1), "true or false"),
 }

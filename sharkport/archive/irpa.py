@@ -22,7 +22,7 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
-from ..errors import SharkportError, short
+from ..errors import SharkportError, is_whole, short
 from ..formats.irpa import (ARCHIVE_VERSION, METADATA_KEY, Slot, copy_range, tensor_metadata, with_metadata, write_at,
                             write_slots)
 
@@ -127,14 +127,18 @@ def _metadata_problem(m: Any) -> str | None:
     return None
 
 
+def is_shape(shape: Any) -> bool:
+    """A tensor shape as metadata must hold it: a non-empty list of whole numbers from 0."""
+    return isinstance(shape, list) and bool(shape) and all(is_whole(d) and d >= 0 for d in shape)
+
+
 def layout_problem(name: str, layout: Any) -> str | None:
     """What is wrong with one tensor's layout {type, shape, planes} ("NAME ..."), or None."""
     kind = layout.get("type") if isinstance(layout, dict) else None
     if not isinstance(kind, str) or (kind not in PLAIN_TYPES and kind not in BLOCK_TYPES):
         return f"{short(name)} no known type ({short(kind)})"
     shape = layout.get("shape")
-    if not isinstance(shape, list) or not shape or \
-            not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+    if not is_shape(shape):
         return f"{short(name)} the shape {short(shape)}, not a list of whole numbers"
     if kind in BLOCK_TYPES and layout.get("planes") != [f for f, _, _ in BLOCK_TYPES[kind].fields]:
         return f"{short(name)} of type {kind} the planes {short(layout.get('planes'))}"

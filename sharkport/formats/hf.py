@@ -18,7 +18,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..errors import SharkportError, json_type, short
+from ..errors import SharkportError, is_number, is_whole, json_type, short
 from .keys import GEMMA3_KEYS, GPT2_KEYS, HPARAMS, LLAMA_KEYS, HParams
 from .names import hf_to_gguf
 
@@ -264,17 +263,9 @@ def _keys(arch: str, table: dict[str, tuple[str, Any]], values: dict[str, Any]) 
     return {f"{arch}.{table[field][0]}": v for field, v in values.items() if v is not None}
 
 
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _quotient(hidden: Any, heads: Any) -> Any:
     """hidden // heads, or None when either is not a positive count (the range check names it)."""
-    return hidden // heads if _is_count(hidden) and _is_count(heads) else None
+    return hidden // heads if is_whole(hidden) and is_whole(heads) and hidden > 0 and heads > 0 else None
 
 
 def _check_rope(rope: dict[str, Any], where: str) -> None:
@@ -297,9 +288,9 @@ def _llama_config(config: dict[str, Any], hf_arch: str, where: Path) -> dict[str
     values["rope_freq_base"] = rope.get("rope_theta", config.get("rope_theta"))
     head_dim = config.get("head_dim") or _quotient(config["hidden_size"], config["num_attention_heads"])
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    if not _is_number(partial) or not 0 < partial <= 1:
+    if not is_number(partial) or not 0 < partial <= 1:
         raise SharkportError(f"partial_rotary_factor is {short(partial)}; it must be a number in (0, 1]")
-    values["rope_dim"] = int(head_dim * partial) if _is_count(head_dim) else head_dim
+    values["rope_dim"] = int(head_dim * partial) if is_whole(head_dim) and head_dim > 0 else head_dim
     window = config.get("sliding_window")
     if window and config.get("use_sliding_window", True):
         if hf_arch == "Qwen2ForCausalLM":

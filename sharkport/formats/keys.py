@@ -13,11 +13,10 @@ types and defaults, so a recipe reads its HParams class and never a raw key:
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..errors import SharkportError, short
+from ..errors import SharkportError, is_number, is_whole, short
 
 _REQUIRED = object()
 
@@ -212,7 +211,7 @@ class Gemma3HParams(LlamaHParams):
         if isinstance(p, list) and (len(p) != self.block_count or not all(isinstance(x, (bool, int)) for x in p)):
             raise SharkportError(f"{key} lists {len(p)} values; it needs one true/false per block "
                                  f"({self.block_count})")
-        if not isinstance(p, list) and not (isinstance(p, int) and not isinstance(p, bool) and p > 0):
+        if not isinstance(p, list) and not (is_whole(p) and p > 0):
             raise SharkportError(f"{key} is {short(p)}; it must be a whole number above 0 or one true/false per block")
 
     def is_sliding(self, layer: int) -> bool:
@@ -272,7 +271,7 @@ def _convert(value: Any, type_name: str, key: str) -> Any:
     number; else one SharkportError naming the key."""
     if value is None or (isinstance(value, list) and "list" in type_name):
         return value
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)  # inf and NaN: _check_range
     if type_name.startswith("float") and number:
         return float(value)
     if type_name.startswith("int") and number and (isinstance(value, int) or float(value).is_integer()):
@@ -283,12 +282,11 @@ def _convert(value: Any, type_name: str, key: str) -> Any:
 
 def _check_range(arch: str, keys: dict[str, tuple[str, Any]], field: str, value: Any) -> None:
     name = f"{arch}.{keys.get(field, (field,))[0]}"
-    if field in _POSITIVE_INTS and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+    if field in _POSITIVE_INTS and not (is_whole(value) and value > 0):
         raise SharkportError(f"{name} is {short(value)}; it must be a whole number above 0")
     if field in _POSITIVE_INTS | _NON_NEGATIVE and isinstance(value, int) and value > MAX_SIZE:
         raise SharkportError(f"{name} is {value}; sizes and counts above {MAX_SIZE} are not supported")
-    if field in _POSITIVE_FLOATS and not (isinstance(value, (int, float)) and not isinstance(value, bool)
-                                          and math.isfinite(value) and value > 0):
+    if field in _POSITIVE_FLOATS and not (is_number(value) and value > 0):
         raise SharkportError(f"{name} is {short(value)}; it must be a finite number above 0")
     if field in _NON_NEGATIVE and isinstance(value, (int, float)) and not value >= 0:
         raise SharkportError(f"{name} is {short(value)}; it must be at least 0")

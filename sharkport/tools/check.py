@@ -28,7 +28,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..errors import SharkportError, cli_main, prog, short
+from ..archive.irpa import is_shape
+from ..errors import SharkportError, cli_main, is_number, is_whole, prog, short
 from ..formats import keys
 from ..formats.gguf import GgufFile, read_gguf
 from ..formats.keys import HPARAMS, LLAMA_KEYS, LlamaHParams
@@ -89,9 +90,9 @@ def check_hparams(hparams: dict[str, Any]) -> tuple[list[str], LlamaHParams | No
         if value is None:
             if default is keys._REQUIRED:
                 problems.append(f"metadata is missing the required key {key}")
-        elif field in _INT_FIELDS and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        elif field in _INT_FIELDS and not (is_whole(value) and value > 0):
             problems.append(f"{key} is {value!r}; it must be a positive integer")
-        elif field in _FLOAT_FIELDS and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        elif field in _FLOAT_FIELDS and not (is_number(value) and value > 0):
             problems.append(f"{key} is {value!r}; it must be a positive number")
     if problems:
         return problems, None
@@ -197,8 +198,7 @@ def well_formed(layouts: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], lis
         kind, shape = (layout.get("type"), layout.get("shape")) if isinstance(layout, dict) else (None, None)
         if not isinstance(kind, str):
             problems.append(f"{short(name)}: the metadata gives it no type name ({short(kind)})")
-        elif not isinstance(shape, list) or not shape or \
-                not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        elif not is_shape(shape):
             problems.append(f"{short(name)}: the metadata gives it the shape {short(shape)}, not a list of whole "
                             "numbers")
         else:
@@ -338,8 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog=prog("sharkport.tools.check"),
         description="Check that a model's metadata and tensors agree (expected tensors present, "
-                    "shapes, quantized planes, entry sizes, coherent hyperparameters). Prints every "
-                    "problem, one per line; exit 1 if any, 2 if the file cannot be read.")
+                    "shapes, quantized planes, entry sizes, coherent hyperparameters, a tokenizer that "
+                    "builds), and that a compiled module is whole and fits its config (--vmfb). Prints "
+                    "every problem, one per line; exit 1 if any, 2 if the file cannot be read.")
     add_model_source(parser, required=False)
     parser.add_argument("--values", action="store_true",
                         help="also scan values and quantization scales for NaN/inf (reads every byte)")
