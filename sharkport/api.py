@@ -61,11 +61,12 @@ class TextGenerator:
     @classmethod
     def from_files(cls, vmfb: str | os.PathLike, irpa: str | os.PathLike, config: str | os.PathLike,
                    pages: int | None = None, device: str | None = None) -> "TextGenerator":
-        """A compiled module, its parameter archive and the service config JSON beside it."""
-        from .archive import Dataset
+        """A compiled module, its parameter archive and the service config JSON beside it
+        (loading neither torch nor IREE's compiler)."""
+        from .archive import ArchiveInfo
         from .runtime.session import IreeSession
 
-        tokenizer = _tokenizer_or_none(Dataset.load(irpa))  # checks the archive first
+        tokenizer = _tokenizer_or_none(ArchiveInfo.load(irpa))  # checks the archive first
         return cls(IreeSession(vmfb, irpa, config, pages=pages, device=device), tokenizer)
 
     @classmethod
@@ -90,7 +91,7 @@ class TextGenerator:
         from .archive import Dataset
         from .export import ExportConfig, service_config
         from .models import ModelConfig, build_model
-        from .runtime.session import EagerSession
+        from .runtime.eager import EagerSession
 
         dataset = Dataset.load(path)
         model = build_model(dataset, ModelConfig(block_seq_stride=block_seq_stride))

@@ -172,13 +172,13 @@ def cache_dir() -> Path:
 def dataset_archive(name: str, progress: bool = True) -> Path:
     """The .irpa of a fetched dataset, imported once into cache_dir() and reused afterwards.
     The file name includes a hash of the fetched model's path, which names its commit."""
-    from .archive import import_gguf, import_hf
-
     fetched = fetch(name)
     model = fetched.model_path.resolve()
     key = hashlib.sha256(str(model).encode()).hexdigest()[:12]
     irpa = cache_dir() / f"{fetched.dataset.name}-{key}.irpa"
     if not irpa.is_file():
+        from .archive import import_gguf, import_hf  # an HF import needs torch; reuse does not
+
         print(f"importing {fetched.dataset.name} into {irpa}", file=sys.stderr)
         (import_hf if model.is_dir() else import_gguf)(model, irpa, progress=progress)
     return irpa

@@ -10,42 +10,8 @@ import argparse
 import sys
 
 from .errors import cli_main, prog
-from .tools._cli import add_archive_source, add_module_files, add_verbose, archive_path
-
-
-def add_generation_args(parser: argparse.ArgumentParser) -> None:
-    """The prompt and GenerationConfig flags shared by run and tools.generate."""
-    parser.add_argument("--prompt", action="append", required=True,
-                        help="a prompt; repeat for a batch (prompts may differ in length)")
-    parser.add_argument("--chat", action="store_true",
-                        help="format each prompt as a user message with the archive's chat template")
-    g = parser.add_argument_group("generation (greedy unless --do-sample)")
-    g.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
-    g.add_argument("--do-sample", action="store_true", help="sample instead of taking the most likely token")
-    g.add_argument("--temperature", type=float, default=1.0, help="with --do-sample: divide logits by this (0: greedy)")
-    g.add_argument("--top-k", type=int, default=0, help="with --do-sample: keep the k most likely tokens (0: all)")
-    g.add_argument("--top-p", type=float, default=1.0,
-                   help="with --do-sample: keep the smallest set of likeliest tokens with probability >= p")
-    g.add_argument("--min-p", type=float, default=0.0,
-                   help="with --do-sample: keep tokens at least this share as likely as the likeliest (0: off)")
-    g.add_argument("--min-new-tokens", type=int, default=0,
-                   help="hold off EOS and the other stop tokens until this many tokens are generated")
-    g.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="penalize tokens already in the sequence (1.0: off; 1.1-1.3 typical)")
-    g.add_argument("--seed", type=int, help="with --do-sample: make the draws repeat")
-    g.add_argument("--num-return-sequences", type=int, default=1, help="samples per prompt (needs --do-sample)")
-    g.add_argument("--stop", action="append", default=[], help="stop when the text contains this string (repeatable)")
-    g.add_argument("--stream", action="store_true", help="print tokens as they are generated")
-    g.add_argument("--no-continuous-batching", action="store_true",
-                   help="start new prompts only when the whole running batch has finished")
-    parser.add_argument("--show-ids", action="store_true", help="also print the generated token ids")
-
-
-def generation_options(args: argparse.Namespace) -> dict:
-    return dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
-                top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, min_new_tokens=args.min_new_tokens,
-                repetition_penalty=args.repetition_penalty,
-                seed=args.seed, num_return_sequences=args.num_return_sequences, stop=tuple(args.stop))
+from .tools._cli import (add_archive_source, add_generation_args, add_module_files, add_verbose, archive_path,
+                         generation_options)
 
 
 def run_generation(generator, args: argparse.Namespace) -> int:

@@ -92,7 +92,7 @@ def test_num_blocks_matches_transformers_with_the_same_layers(tiny, tmp_path):
     """A 2-layer tiny llama cut to 1 block: the archive keeps blk.0 only, says block_count 1, and
     the recipe over it gives the logits of transformers' model with its second layer removed."""
     from sharkport.models import ModelConfig, build_model
-    from sharkport.runtime.session import EagerSession
+    from sharkport.runtime.eager import EagerSession
     from sharkport.export.exporter import service_config
     from sharkport.export import ExportConfig
 

@@ -19,7 +19,8 @@ from sharkport.export import ExportConfig, service_config
 from sharkport.models import ModelConfig, build_model
 from sharkport.runtime.generate import GenerateStats, GenerationRun
 from sharkport.runtime.sampling import GenerationConfig
-from sharkport.runtime.session import EagerSession, IreeSession
+from sharkport.runtime.eager import EagerSession
+from sharkport.runtime.session import IreeSession
 from tiny_models import TINY_EXPORT
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -82,7 +82,7 @@ def _check_module(vmfb: Path, driver: str) -> None:
     """IREE's runtime verifies the module and lists the ABI's functions; the runner reads its driver."""
     import iree.runtime as rt
 
-    from sharkport.runtime.session import module_driver
+    from sharkport.runtime.vmfb import module_driver
 
     instance = rt.VmInstance()  # outlives the module: IREE's objects do not keep their makers
     module = rt.VmModule.mmap(instance, str(vmfb))
@@ -129,7 +129,8 @@ def test_runner_refuses_the_wrong_device(irpa_of, tmp_path):
 
 
 def test_cpu_module_refuses_a_gpu_device(compiled_of):
-    from sharkport.runtime.session import IreeSession, module_driver
+    from sharkport.runtime.session import IreeSession
+    from sharkport.runtime.vmfb import module_driver
 
     vmfb, irpa, config = compiled_of("gqa-untied")
     assert module_driver(vmfb) is None

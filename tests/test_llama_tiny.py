@@ -30,7 +30,8 @@ from sharkport.export import service_config
 from sharkport.formats.names import LLAMA_NAMES, gguf_to_hf_name, hf_to_gguf_name, permute_qk, unpermute_qk
 from sharkport.models import build_model
 from sharkport.runtime.generate import generate
-from sharkport.runtime.session import EagerSession, IreeSession, Session
+from sharkport.runtime.eager import EagerSession
+from sharkport.runtime.session import IreeSession, Session
 from tiny_models import TINY_EXPORT, exact_cache
 
 EXPORT = TINY_EXPORT  # compiled_of (conftest.py) exports with it too

@@ -11,7 +11,7 @@ from sharkport.export import ExportConfig, service_config
 from sharkport.models import ModelConfig, build_model
 from sharkport.runtime.generate import GenerationRun
 from sharkport.runtime.sampling import GenerationConfig
-from sharkport.runtime.session import EagerSession
+from sharkport.runtime.eager import EagerSession
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -17,7 +17,8 @@ from sharkport.compile import compile_mlir
 from sharkport.export import ExportConfig, export_model, externalize, save_export
 from sharkport.models import ModelConfig, build_model
 from sharkport.quant import BLOCK_TYPES
-from sharkport.runtime.session import EagerSession, IreeSession
+from sharkport.runtime.eager import EagerSession
+from sharkport.runtime.session import IreeSession
 
 from gguf_fixtures import random_blocks, random_tensor, write_gguf
 

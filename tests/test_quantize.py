@@ -117,7 +117,7 @@ def test_quantized_tiny_llama_in_transformers(tiny, type_name, tmp_path):
 
     from sharkport.export import ExportConfig, service_config
     from sharkport.models import ModelConfig, build_model
-    from sharkport.runtime.session import EagerSession
+    from sharkport.runtime.eager import EagerSession
 
     m = tiny["gqa-tied"]
     (tmp_path / "gguf").mkdir()

@@ -9,7 +9,7 @@ from sharkport.errors import SharkportError
 from sharkport.export import ExportConfig, service_config
 from sharkport.models import ModelConfig, build_model
 from sharkport.runtime.generate import PageAllocator, generate
-from sharkport.runtime.session import EagerSession
+from sharkport.runtime.eager import EagerSession
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -1,32 +1,37 @@
 """Datasets: a model's weights (Theta) with its metadata, from an .irpa or straight from a GGUF
-or a Hugging Face checkpoint folder."""
+or a Hugging Face checkpoint folder; ArchiveInfo, the metadata alone, read without torch."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from ..errors import SharkportError
 from ..formats.gguf import GgufFile, GgufTensor, read_gguf
-from ..formats.hf import HfCheckpoint, PlannedTensor, hf_tokenizer_files, read_hf
 from ..formats.gguf_import import gguf_archive_metadata, import_gguf
 from ..formats.irpa import tensor_layout
-from .irpa import ARCHIVE_VERSION, Entry, read_archive, write_archive
+from .irpa import ARCHIVE_VERSION, Entry, read_archive, read_metadata, write_archive
 from .tensors import QuantizedTensor, Theta, Weight, weight_from_raw
 
-__all__ = ["Dataset", "QuantizedTensor", "Theta", "Weight", "entries_of", "import_gguf", "import_hf",
+if TYPE_CHECKING:  # torch loads only where tensors are made, so reading metadata runs without it
+    import torch
+
+    from ..formats.hf import HfCheckpoint, PlannedTensor
+
+__all__ = ["ArchiveInfo", "Dataset", "QuantizedTensor", "Theta", "Weight", "entries_of", "import_gguf", "import_hf",
            "save_dataset", "gguf_archive_metadata", "hf_archive_metadata"]
 
 
 class ArchiveMetadata:
-    """Readers of the archive metadata shared by a Dataset and a tensor-parallel ShardedDataset."""
+    """Readers of the archive metadata shared by a Dataset, its metadata alone (ArchiveInfo) and a
+    tensor-parallel ShardedDataset."""
 
+    path: Path
     metadata: dict[str, Any]
 
     @property
@@ -40,6 +45,45 @@ class ArchiveMetadata:
     @property
     def rope_layout(self) -> str:
         return self.metadata.get("rope_layout", "interleaved")
+
+    @property
+    def has_tokenizer(self) -> bool:
+        """Whether the archive carries tokenizer metadata (which may still be broken: tokenizer())."""
+        return bool(self.metadata.get("tokenizer"))
+
+    def tokenizer(self):
+        """The model's tokenizer (raises SharkportError when the archive carries none)."""
+        from ..tokenizer import Tokenizer
+
+        if not self.has_tokenizer:
+            raise SharkportError(f"{self.path}: carries no tokenizer; pass token ids instead of text")
+        try:
+            tokenizer = Tokenizer.from_gguf_metadata(self.metadata["tokenizer"])
+        except SharkportError as e:
+            raise SharkportError(f"{self.path}: its tokenizer metadata is broken ({e}); re-import the model "
+                                 "from its GGUF or Hugging Face folder") from None
+        tokenizer.source = str(self.path)
+        return tokenizer
+
+
+@dataclass
+class ArchiveInfo(ArchiveMetadata):
+    """An archive's metadata without its weights: what running a compiled module needs of it
+    (the tokenizer, the hyperparameters), read without torch."""
+
+    path: Path
+    metadata: dict[str, Any]
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "ArchiveInfo":
+        """The metadata Dataset.load gives, the file checked as it checks it, without the weights:
+        an .irpa's or a GGUF's read without torch (an HF folder is converted as Dataset.load does)."""
+        path = Path(path)
+        if path.is_dir():
+            return cls(path, Dataset.load(path).metadata)
+        if _is_gguf(path):
+            return cls(path, gguf_archive_metadata(read_gguf(path)))
+        return cls(path, read_metadata(path))
 
 
 @dataclass
@@ -60,6 +104,8 @@ class Dataset(ArchiveMetadata):
         """Opens an .irpa (memory-mapped), or a .gguf or an HF checkpoint folder (converted in memory)."""
         path = Path(path)
         if path.is_dir():
+            from ..formats.hf import read_hf
+
             ckpt = read_hf(path)
             plan = ckpt.plan()
             weights = {p.name: t for p, t in ckpt.tensors(plan)}
@@ -69,25 +115,6 @@ class Dataset(ArchiveMetadata):
             return cls(path, gguf_archive_metadata(gg), Theta(_gguf_weights(gg)), gg)
         metadata, weights, archive = read_archive(path)
         return cls(path, metadata, Theta(weights), archive)
-
-    @property
-    def has_tokenizer(self) -> bool:
-        """Whether the archive carries tokenizer metadata (which may still be broken: tokenizer())."""
-        return bool(self.metadata.get("tokenizer"))
-
-    def tokenizer(self):
-        """The model's tokenizer (raises SharkportError when the archive carries none)."""
-        from ..tokenizer import Tokenizer
-
-        if not self.has_tokenizer:
-            raise SharkportError(f"{self.path}: carries no tokenizer; pass token ids instead of text")
-        try:
-            tokenizer = Tokenizer.from_gguf_metadata(self.metadata["tokenizer"])
-        except SharkportError as e:
-            raise SharkportError(f"{self.path}: its tokenizer metadata is broken ({e}); re-import the model "
-                                 "from its GGUF or Hugging Face folder") from None
-        tokenizer.source = str(self.path)
-        return tokenizer
 
 
 def _is_gguf(path: Path) -> bool:
@@ -126,6 +153,8 @@ def save_dataset(dataset: Dataset, irpa_path: str | os.PathLike, progress: bool 
 
 def entries_of(name: str, w: Weight) -> list[Entry]:
     """The archive entries of one weight held in memory: itself, or its planes `name:plane`."""
+    import torch
+
     if isinstance(w, QuantizedTensor):
         return [Entry(f"{name}:{plane}", t.dtype, tuple(t.shape), data=t.contiguous().numpy())
                 for plane, t in w.planes.items()]
@@ -136,6 +165,7 @@ def entries_of(name: str, w: Weight) -> list[Entry]:
 def hf_archive_metadata(ckpt: HfCheckpoint, plan: list[PlannedTensor]) -> dict[str, Any]:
     """The archive metadata of an HF checkpoint: the same hparams keys a GGUF import carries,
     the tokenizer under GGUF keys, and the HF ("half") rotary layout of Q/K."""
+    from ..formats.hf import hf_tokenizer_files
     from ..tokenizer import tokenizer_metadata_from_hf
 
     return {
@@ -155,6 +185,10 @@ def import_hf(model_dir: str | os.PathLike, irpa_path: str | os.PathLike, dtype:
 
     Matrices are stored in `dtype` (default: as in the checkpoint), vectors in float32.
     Every name and shape is checked before anything is written. Returns the metadata."""
+    import torch
+
+    from ..formats.hf import read_hf
+
     ckpt = read_hf(model_dir)
     plan = ckpt.plan(dtype)
     metadata = hf_archive_metadata(ckpt, plan)

@@ -6,36 +6,46 @@ Layout (docs/archive.md): plain tensors under their GGUF name, quantized ones as
 `iree.turbine.aot.ParameterArchive(...).items()[i][1].as_tensor()` works on it), then the JSON
 entry `METADATA_KEY` with the hyperparameters, tokenizer, rotary layout and tensor layouts, and
 sharktank's two dataset entries.
+
+The metadata readers (`read_metadata`, `index_metadata`) need IREE's runtime but not torch, so
+running a compiled module does not load it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
-import torch
 
 from ..errors import SharkportError, is_whole, short
-from ..formats.irpa import (ARCHIVE_VERSION, METADATA_KEY, Slot, copy_range, tensor_metadata, with_metadata, write_at,
-                            write_slots)
+from ..formats.irpa import (ARCHIVE_VERSION, DTYPES, METADATA_KEY, Slot, copy_range, tensor_metadata, with_metadata,
+                            write_at, write_slots)
 
 __all__ = ["ARCHIVE_VERSION", "METADATA_KEY", "Entry", "entry_metadata", "write_archive", "index_metadata",
-           "parse_metadata", "read_archive"]
+           "parse_metadata", "read_archive", "read_metadata"]
 from ..quant import BLOCK_TYPES, PLAIN_TYPES
 from .tensors import QuantizedTensor, Weight
 
-_TORCH_NAMES = {
-    torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-    torch.int8: "int8", torch.uint8: "uint8", torch.int32: "int32",
-}
-_NAME_TO_TORCH = {v: k for k, v in _TORCH_NAMES.items()}
+if TYPE_CHECKING:
+    import torch
+
+
+@functools.cache
+def _torch_names() -> dict[torch.dtype, str]:
+    """torch dtype → its name in the archive's tensor descriptions (torch loads only when a
+    tensor is written or read, not for the metadata)."""
+    import torch
+
+    return {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+            torch.int8: "int8", torch.uint8: "uint8", torch.int32: "int32"}
 
 
 @dataclass(frozen=True)
@@ -57,7 +67,7 @@ class Entry:
 
 def entry_metadata(dtype: torch.dtype, shape: tuple[int, ...]) -> str:
     """turbine's per-entry tensor description (the format `ParameterArchiveEntry.as_tensor` reads)."""
-    return tensor_metadata(_TORCH_NAMES[dtype], shape)
+    return tensor_metadata(_torch_names()[dtype], shape)
 
 
 def write_archive(path: str | os.PathLike, entries: Iterable[Entry], metadata: dict[str, Any],
@@ -155,39 +165,17 @@ def index_metadata(index, path: Any = "the archive") -> dict[str, Any] | None:
 
 
 def read_archive(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Weight], Any]:
-    """Memory-maps an .irpa → (metadata, weights by GGUF name, the archive that keeps the map alive)."""
-    from iree.turbine.aot import ParameterArchive  # slow to import; only readers need it
+    """Memory-maps an .irpa → (metadata, weights by GGUF name, the index that keeps the map alive)."""
+    import torch
 
-    path = Path(path)
-    if not path.is_file():
-        raise SharkportError(f"{path}: no such file; pass an .irpa made by `sharkport.tools.dump_gguf --output-irpa`")
-    try:
-        archive = ParameterArchive(path, mmap=True)
-        entries = dict(archive.items())
-    except Exception as e:
-        raise SharkportError(f"{path}: not a readable parameter archive ({e}); re-create it") from None
-    if METADATA_KEY not in entries:
-        raise SharkportError(
-            f"{path}: has no {METADATA_KEY} entry, so it was not written by sharkport; "
-            "re-import the model with `python -m sharkport.tools.dump_gguf --output-irpa`"
-        )
-    metadata = parse_metadata(bytes(np.asarray(entries[METADATA_KEY].raw.file_view)), path)
+    metadata, tensors, index = _open(path)
+    name_to_torch = {v: k for k, v in _torch_names().items()}
 
     def tensor(key: str) -> torch.Tensor:
-        if key not in entries:
-            raise SharkportError(f"{path}: tensor entry {key} is missing; re-create the archive")
-        raw = np.asarray(entries[key].raw.file_view)
-        try:
-            meta = json.loads(entries[key].raw.metadata.decode().removeprefix("PYTORCH:"))
-            dtype, shape = _NAME_TO_TORCH[meta["dtype"]], [int(d) for d in meta["shape"]]
-            if raw.nbytes != math.prod(shape) * dtype.itemsize:
-                raise ValueError(f"{raw.nbytes} bytes for {meta['dtype']} {shape}")
-        except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
-            raise SharkportError(f"{path}: entry {key} has no valid tensor description ({e}); "
-                                 "re-create the archive") from None
+        dtype, shape, raw = tensors[key]
         with _quiet_readonly():
             flat = torch.from_numpy(raw)
-        return flat.view(dtype).view(shape)
+        return flat.view(name_to_torch[dtype]).view(shape)
 
     weights: dict[str, Weight] = {}
     for name, layout in metadata["tensors"].items():
@@ -196,7 +184,56 @@ def read_archive(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Wei
         else:
             planes = {p: tensor(f"{name}:{p}") for p in layout["planes"]}
             weights[name] = QuantizedTensor(layout["type"], tuple(layout["shape"]), planes)
-    return metadata, weights, archive
+    return metadata, weights, index
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """An .irpa's metadata, the archive checked as read_archive checks it (every tensor entry
+    present and described), without torch: what running a compiled module reads."""
+    return _open(path)[0]
+
+
+def _open(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, tuple[str, list[int], np.ndarray]], Any]:
+    """Memory-maps an .irpa → (metadata, each tensor entry's (dtype name, shape, bytes) by key,
+    the iree.runtime.ParameterIndex holding the map), or one SharkportError."""
+    import iree.runtime as rt
+
+    path = Path(path)
+    if not path.is_file():
+        raise SharkportError(f"{path}: no such file; pass an .irpa made by `sharkport.tools.dump_gguf --output-irpa`")
+    try:
+        index = rt.ParameterIndex()
+        index.load(str(path), mmap=True)
+        entries = dict(index.items())
+    except Exception as e:
+        raise SharkportError(f"{path}: not a readable parameter archive ({e}); re-create it") from None
+    if METADATA_KEY not in entries:
+        raise SharkportError(
+            f"{path}: has no {METADATA_KEY} entry, so it was not written by sharkport; "
+            "re-import the model with `python -m sharkport.tools.dump_gguf --output-irpa`"
+        )
+    metadata = parse_metadata(bytes(np.asarray(entries[METADATA_KEY].file_view)), path)
+
+    def described(key: str) -> tuple[str, list[int], np.ndarray]:
+        if key not in entries:
+            raise SharkportError(f"{path}: tensor entry {key} is missing; re-create the archive")
+        raw = np.asarray(entries[key].file_view)
+        try:
+            meta = json.loads(entries[key].metadata.decode().removeprefix("PYTORCH:"))
+            dtype, itemsize = meta["dtype"], DTYPES[meta["dtype"]][2]
+            shape = [int(d) for d in meta["shape"]]
+            if raw.nbytes != math.prod(shape) * itemsize:
+                raise ValueError(f"{raw.nbytes} bytes for {meta['dtype']} {shape}")
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+            raise SharkportError(f"{path}: entry {key} has no valid tensor description ({e}); "
+                                 "re-create the archive") from None
+        return dtype, shape, raw
+
+    tensors = {}
+    for name, layout in metadata["tensors"].items():
+        keys = [name] if layout["type"] in PLAIN_TYPES else [f"{name}:{p}" for p in layout["planes"]]
+        tensors.update((key, described(key)) for key in keys)
+    return metadata, tensors, index
 
 
 @contextlib.contextmanager

@@ -1,13 +1,17 @@
-"""Weights as the model code sees them: plain torch tensors, or quantized planes kept packed."""
+"""Weights as the model code sees them: plain torch tensors, or quantized planes kept packed.
+torch loads only when a weight is made, so the archive's metadata readers run without it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Union
 
 import numpy as np
-import torch
 
 from ..quant import BLOCK_TYPES, PLAIN_TYPES
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -27,12 +31,15 @@ class QuantizedTensor:
         return BLOCK_TYPES[self.type_name].dequant({k: p[ids] for k, p in self.planes.items()})
 
 
-Weight = torch.Tensor | QuantizedTensor
+# For annotations only; "torch.Tensor" stays a name so that importing this needs no torch.
+Weight = Union["torch.Tensor", QuantizedTensor]
 
 
 def weight_from_raw(type_name: str, shape: tuple[int, ...], raw: np.ndarray) -> Weight:
     """One tensor's bytes as ggml stores them (any contiguous array) → a plain torch tensor of
     `shape`, or a QuantizedTensor holding its planes. Plain values are copied; planes are split."""
+    import torch
+
     raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
     if type_name in PLAIN_TYPES:
         np_dtype, torch_dtype = PLAIN_TYPES[type_name]

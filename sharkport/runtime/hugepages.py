@@ -5,10 +5,10 @@ initializer copies and repacks them: 521 MiB for SmolLM2 Q4_1, with prefill's fl
 with the KV cache beside them; glibc maps them with 4 KiB pages, and Linux backs them with huge
 pages only where asked (`/sys/kernel/mm/transparent_hugepage/enabled` is `madvise` on most
 distributions). Decode streams the weights, a TLB miss every 4 KiB; in a virtual machine each
-miss walks the guest's and the host's page tables. With the buffers on 2 MiB pages SmolLM2
-decode bs1 takes 0.90 to 0.98 of the time (docs/performance.md), and the first session of a
-process no longer decodes slower than later ones. The collapse into huge pages adds up to about
-a second to a SmolLM2 session's start when the host must gather the memory.
+miss walks the guest's and the host's page tables. With the buffers on 2 MiB pages decode takes
+fewer misses (docs/performance.md), and the first session of a process no longer decodes slower
+than later ones. The collapse into huge pages costs time at a session's start when the host must
+gather the memory.
 
 `snapshot()` before the context starts and `back_new_mappings(before, ranges)` after its buffers
 exist: the whole 2 MiB pages of every anonymous mapping that appeared or grew meanwhile, and of

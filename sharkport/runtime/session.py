@@ -1,26 +1,29 @@
-"""Sessions: the compiled module (IREE) and the eager recipe (PyTorch) behind one interface.
+"""Sessions: the compiled module (IREE) and the eager recipe (PyTorch, runtime/eager.py) behind
+one interface.
 
 Both take numpy inputs in the ABI's shapes, keep their own cache_state, and return float32
 numpy logits. Every input is checked against the exported ranges before the call: IREE does not
-check dynamic dimensions at run time and would read out of bounds.
+check dynamic dimensions at run time and would read out of bounds. This module needs no torch
+(nor IREE's compiler), so running a compiled module loads neither.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import os
 import threading
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from ..errors import SharkportError
-from ..export.abi import MODULE_FACTS, REFLECTION_KEY, ServiceConfig
+from ..export.abi import ServiceConfig
 from . import hugepages
-from .vmfb import arity, check_file
+from .vmfb import check_file, checked_against_module, module_driver
+
+# the GPU driver each device kind runs modules of (None: CPU modules)
+_DRIVER_OF_DEVICE = {"local-task": None, "local-sync": None, "cuda": "cuda", "hip": "hip", "vulkan": "vulkan"}
 
 _NP_CACHE_DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -138,8 +141,7 @@ SPIN_US = 20  # how long an idle local-task worker waits for the next dispatch b
 def tune_local_task(rt) -> None:
     """Tunes local-task devices for decode latency, once per process (before its first device):
     - one worker per CPU this process may run on: IREE's default topology (`physical_cores`)
-      makes one worker on a 2-vCPU virtual machine, and prefill and decode ran 1.6x to 1.8x
-      slower with it;
+      makes one worker on a 2-vCPU virtual machine, which leaves half the CPUs idle;
     - workers spin SPIN_US microseconds for the next dispatch before sleeping
       (--task_worker_spin_us; IREE's default 0 puts them to sleep between a decode step's
       dependent dispatches, and waking them costs more than the spin).
@@ -380,87 +382,3 @@ def _copy_to_host(rt, device, view, dtype) -> np.ndarray:
                       signal_semaphores=rt.HalFence.create_at(semaphore, 1))
     rt.HalFence.create_at(semaphore, 1).wait()
     return np.array(host.map().asarray(list(view.shape), np.dtype(dtype)), copy=True)
-
-
-def checked_against_module(main, config: ServiceConfig, vmfb, source: str) -> ServiceConfig:
-    """`config` if the module has a function for each of its batch sizes and carries the same
-    ABI facts (export.abi.MODULE_FACTS, in the functions' reflection), with the module's
-    vocabulary; else one line naming both values. Modules exported before they carried their
-    facts are checked for their functions only."""
-    facts = None
-    for kind, sizes in (("prefill", config.prefill_batch_sizes), ("decode", config.decode_batch_sizes)):
-        for bs in sizes:
-            fn = main.lookup_function(f"{kind}_bs{bs}")
-            if fn is None:
-                have = sorted(f for f in main.function_names if f.startswith(f"{kind}_bs") and "$" not in f)
-                raise SharkportError(f"{source}: {kind} batch size {bs} is not in {vmfb} (it has "
-                                     f"{', '.join(have) or 'none'}); use the config exported with the module")
-            inputs = (3 if kind == "prefill" else 4) + config.tensor_parallelism_size  # + a cache per device
-            have = arity(fn)
-            if have is not None and have != (inputs, 1):
-                raise SharkportError(f"{vmfb}: {kind}_bs{bs} takes {have[0]} arguments and gives {have[1]} "
-                                     f"results; sharkport's ABI (docs/abi.md) has {inputs} and 1 for "
-                                     f"{config.tensor_parallelism_size} device(s); use the config exported "
-                                     "with the module")
-            raw = fn.reflection.get(REFLECTION_KEY)
-            if raw is not None and facts is None:
-                try:
-                    facts = json.loads(raw)
-                except ValueError:
-                    raise SharkportError(f"{vmfb}: its {REFLECTION_KEY} reflection is not JSON; compile the "
-                                         "module again") from None
-    if not isinstance(facts, dict):
-        return config
-    for name in MODULE_FACTS:
-        value = getattr(config, name)
-        if name == "vocab_size" and value is None:
-            continue
-        if facts.get(name) != value:
-            raise SharkportError(f"{source}: {name} is {value!r}, but {vmfb} was exported with {facts.get(name)!r}; "
-                                 "use the config exported with the module")
-    return replace(config, vocab_size=facts.get("vocab_size"))
-
-
-# The executable formats iree-compile writes for each GPU driver (a CPU module's are ELF or VMVX).
-_GPU_FORMATS = {b"cuda-nvptx-fb": "cuda", b"rocm-hsaco-fb": "hip", b"vulkan-spirv-fb": "vulkan"}
-_DRIVER_OF_DEVICE = {"local-task": None, "local-sync": None, "cuda": "cuda", "hip": "hip", "vulkan": "vulkan"}
-
-
-def module_driver(vmfb: str | os.PathLike) -> str | None:
-    """The GPU driver a compiled module's executables are for (`cuda`, `hip`, `vulkan`), or None
-    for a CPU module: read from the executable formats the module names."""
-    import mmap
-
-    with open(vmfb, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return None
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            for fmt, driver in _GPU_FORMATS.items():
-                if m.find(fmt) >= 0:
-                    return driver
-    return None
-
-
-class EagerSession(Session):
-    """The PyTorch recipe run directly: the reference for the compiled module."""
-
-    def __init__(self, model, config: ServiceConfig, pages: int | None = None):
-        if config.vocab_size is None:  # a config read from JSON
-            config = replace(config, vocab_size=model.vocab_size)
-        self.model, self.config = model, config
-        self.pages = cache_pages(pages, config)
-        self._calls = threading.Lock()
-        self._cache = model.new_cache(self.pages)
-
-    @torch.no_grad()
-    def _prefill(self, tokens, seq_lens, seq_block_ids):
-        t = [torch.from_numpy(a) for a in (tokens, seq_lens, seq_block_ids)]
-        return self.model.prefill(*t, self._cache).numpy()
-
-    @torch.no_grad()
-    def _decode(self, tokens, seq_lens, start_positions, seq_block_ids):
-        t = [torch.from_numpy(a) for a in (tokens, seq_lens, start_positions, seq_block_ids)]
-        return self.model.decode(*t, self._cache).numpy()
-
-    def cache_to_host(self) -> np.ndarray:
-        return self._cache.numpy().copy()

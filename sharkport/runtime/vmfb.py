@@ -22,10 +22,12 @@ import signal
 import subprocess
 import sys
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from ..errors import SharkportError
+from ..export.abi import MODULE_FACTS, REFLECTION_KEY, ServiceConfig
 
 _FIX = "compile it again with `sharkport export --output-vmfb`"
 IDENTIFIER = b"IREE"  # the flatbuffer file identifier: bytes 4..8, or 8..12 after a size prefix
@@ -118,11 +120,67 @@ def check_module(vmfb: str | Path, config: str | Path | None = None) -> tuple[li
     return problems, notes
 
 
+def checked_against_module(main, config: ServiceConfig, vmfb, source: str) -> ServiceConfig:
+    """`config` if the module has a function for each of its batch sizes and carries the same
+    ABI facts (export.abi.MODULE_FACTS, in the functions' reflection), with the module's
+    vocabulary; else one line naming both values. Modules exported before they carried their
+    facts are checked for their functions only."""
+    facts = None
+    for kind, sizes in (("prefill", config.prefill_batch_sizes), ("decode", config.decode_batch_sizes)):
+        for bs in sizes:
+            fn = main.lookup_function(f"{kind}_bs{bs}")
+            if fn is None:
+                have = sorted(f for f in main.function_names if f.startswith(f"{kind}_bs") and "$" not in f)
+                raise SharkportError(f"{source}: {kind} batch size {bs} is not in {vmfb} (it has "
+                                     f"{', '.join(have) or 'none'}); use the config exported with the module")
+            inputs = (3 if kind == "prefill" else 4) + config.tensor_parallelism_size  # + a cache per device
+            have = arity(fn)
+            if have is not None and have != (inputs, 1):
+                raise SharkportError(f"{vmfb}: {kind}_bs{bs} takes {have[0]} arguments and gives {have[1]} "
+                                     f"results; sharkport's ABI (docs/abi.md) has {inputs} and 1 for "
+                                     f"{config.tensor_parallelism_size} device(s); use the config exported "
+                                     "with the module")
+            raw = fn.reflection.get(REFLECTION_KEY)
+            if raw is not None and facts is None:
+                try:
+                    facts = json.loads(raw)
+                except ValueError:
+                    raise SharkportError(f"{vmfb}: its {REFLECTION_KEY} reflection is not JSON; compile the "
+                                         "module again") from None
+    if not isinstance(facts, dict):
+        return config
+    for name in MODULE_FACTS:
+        value = getattr(config, name)
+        if name == "vocab_size" and value is None:
+            continue
+        if facts.get(name) != value:
+            raise SharkportError(f"{source}: {name} is {value!r}, but {vmfb} was exported with {facts.get(name)!r}; "
+                                 "use the config exported with the module")
+    return replace(config, vocab_size=facts.get("vocab_size"))
+
+
+# The executable formats iree-compile writes for each GPU driver (a CPU module's are ELF or VMVX).
+_GPU_FORMATS = {b"cuda-nvptx-fb": "cuda", b"rocm-hsaco-fb": "hip", b"vulkan-spirv-fb": "vulkan"}
+
+
+def module_driver(vmfb: str | os.PathLike) -> str | None:
+    """The GPU driver a compiled module's executables are for (`cuda`, `hip`, `vulkan`), or None
+    for a CPU module: read from the executable formats the module names."""
+    import mmap
+
+    with open(vmfb, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return None
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            for fmt, driver in _GPU_FORMATS.items():
+                if m.find(fmt) >= 0:
+                    return driver
+    return None
+
+
 def _main(argv: list[str]) -> int:
     import iree.runtime as rt
 
-    from ..export.abi import ServiceConfig
-    from .session import checked_against_module
 
     vmfb = argv[0]
     instance = rt.VmInstance()

@@ -11,8 +11,8 @@ import argparse
 import sys
 
 from ..errors import cli_main, prog
-from ..run import add_generation_args, run_generation
-from ._cli import add_model_source, add_verbose, model_path
+from ..run import run_generation
+from ._cli import add_generation_args, add_model_source, add_verbose, model_path
 
 
 @cli_main
