@@ -211,7 +211,7 @@ def session_prefill(session, ctx: int) -> tuple[Callable[[np.ndarray], np.ndarra
     session's prefill (the smallest exported batch size that holds them, padding rows on
     pages of their own), `batch` being the largest exported size. The session needs
     batch * ceil(ctx / block_seq_stride) pages."""
-    from .runtime.generate import _pick
+    from .runtime.inputs import pick_batch_size
 
     c = session.config
     blocks = math.ceil(ctx / c.block_seq_stride)
@@ -221,7 +221,7 @@ def session_prefill(session, ctx: int) -> tuple[Callable[[np.ndarray], np.ndarra
                              "give a smaller --ctx or re-export with a larger --max-seq-len")
 
     def prefill(rows: np.ndarray) -> np.ndarray:
-        bs = _pick(c.prefill_batch_sizes, len(rows), "prefill")
+        bs = pick_batch_size(c.prefill_batch_sizes, len(rows), "prefill")
         tokens = np.zeros((bs, blocks * c.block_seq_stride), np.int64)
         tokens[:len(rows), :ctx] = rows
         ids = np.arange(bs * blocks, dtype=np.int64).reshape(bs, blocks)

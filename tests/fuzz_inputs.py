@@ -227,7 +227,7 @@ def archive_run(seed: Seed, doc: Any, raw: bytes | None, folder: Path) -> str:
 
     from sharkport.api import TextGenerator
     from sharkport.archive.irpa import METADATA_KEY
-    from sharkport.tools.check import check_archive
+    from sharkport.check import check_archive
 
     path = folder / "case.irpa"
     builder = ParameterArchiveBuilder()

@@ -13,6 +13,7 @@ from iree.turbine.aot import ParameterArchive
 
 from sharkport.archive import import_gguf
 from sharkport.archive.irpa import METADATA_KEY, Entry, write_archive
+from sharkport.check import LLAMA_SHAPES
 from sharkport.formats.names import LLAMA_NAMES
 from sharkport.tools import check, dump_gguf
 
@@ -160,7 +161,7 @@ def test_smollm2_import_passes(smollm2_irpa, capsys):
 
 
 def test_shape_table_covers_every_llama_name():
-    assert set(check.LLAMA_SHAPES) == set(LLAMA_NAMES.values())
+    assert set(LLAMA_SHAPES) == set(LLAMA_NAMES.values())
 
 
 def test_unreadable_archive_exits_2(tmp_path, capsys):

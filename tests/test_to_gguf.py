@@ -113,3 +113,24 @@ def test_refuses_to_overwrite_input_and_reports_missing_file(irpa_of, tmp_path, 
     assert to_gguf.main(["--irpa-file", str(irpa), "--output-gguf", str(irpa)]) == 2
     assert "refusing to overwrite" in capsys.readouterr().err
     assert not (tmp_path / "x.gguf").exists()
+
+
+@pytest.mark.parametrize("kind", params(["mistral", "mixtral"]))
+def test_every_hyperparameter_key_comes_back(kind, tmp_path):
+    """A Mistral's sliding window and a Mixtral's expert counts (GGUFs written as llama.cpp's
+    converter writes them, plus the window key) → archive → to_gguf: gguf.GGUFReader finds every
+    `llama.*` key of the original with its value."""
+    from sharkport.archive import import_gguf
+    from tiny_models import TinyRecipes
+
+    source = TinyRecipes(tmp_path / "recipes")[kind].gguf_path
+    import_gguf(source, tmp_path / "x.irpa", progress=False)
+    out = convert(tmp_path / "x.irpa", tmp_path / "out" / "model.gguf")
+
+    def keys(path):
+        fields = gguf.GGUFReader(path).fields
+        return {k: f.contents() for k, f in fields.items() if k.startswith("llama.")}
+
+    want, got = keys(source), keys(out)
+    assert {"llama.attention.sliding_window", "llama.expert_count"} & want.keys()
+    assert got == pytest.approx(want)

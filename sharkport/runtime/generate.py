@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import numpy as np
 
 from ..errors import SharkportError
+from .inputs import decode_inputs, pick_batch_size, prefill_inputs
 from .sampling import GenerationConfig, choose, process_logits
 
 # How long a run waits for cache pages that other runs on the same session hold.
@@ -177,14 +178,6 @@ def page_allocator(session: Session) -> PageAllocator:
     return session._page_allocator
 
 
-def _pick(sizes: list[int], n: int, what: str) -> int:
-    """The smallest exported batch size that holds n rows, else the largest."""
-    if not sizes:
-        raise SharkportError(f"the module exports no {what} function; re-export with --bs-{what}")
-    fitting = [b for b in sorted(sizes) if b >= n]
-    return fitting[0] if fitting else max(sizes)
-
-
 def next_token_logits(logits: np.ndarray, row: int, length: int) -> np.ndarray:
     """The prefill logits [N, S, V] for the token after a prompt of `length` in `row`: at position
     length - 1, or the only position a module exported with --prefill-final-logits returns
@@ -305,21 +298,13 @@ class GenerationRun:
 
     # -- module calls -----------------------------------------------------------------------------
     def _prefill(self, seqs: list[_Seq]) -> Iterator[TokenEvent]:
-        bs = _pick(self.session.config.prefill_batch_sizes, len(seqs), "prefill")
-        stride = self._stride
+        bs = pick_batch_size(self.session.config.prefill_batch_sizes, len(seqs), "prefill")
         for start in range(0, len(seqs), bs):
             part = seqs[start:start + bs]
-            blocks = math.ceil(max(len(s.prompt) for s in part) / stride)
-            tokens = np.zeros((bs, blocks * stride), np.int64)
-            lens = np.ones(bs, np.int64)
-            ids = np.full((bs, blocks), self._scratch, np.int64)
-            for r, s in enumerate(part):
-                tokens[r, :len(s.prompt)] = s.prompt
-                lens[r] = len(s.prompt)
-                own = s.pages[:blocks]
-                ids[r, :len(own)] = own  # a short prompt's tail blocks write to the scratch page
+            # a short prompt's tail blocks write to the scratch page
+            inputs = prefill_inputs([s.prompt for s in part], [s.pages for s in part], bs, self._stride, self._scratch)
             t = time.perf_counter()
-            logits = self.session.prefill(tokens, lens, ids)
+            logits = self.session.prefill(*inputs)
             self.stats.prefill_s += time.perf_counter() - t
             self.stats.prefill_calls += 1
             self.stats.prefill_tokens += sum(len(s.prompt) for s in part)
@@ -327,18 +312,11 @@ class GenerationRun:
                 yield from self._step(s, next_token_logits(logits, r, len(s.prompt)))
 
     def _decode(self, seqs: list[_Seq]) -> Iterator[TokenEvent]:
-        bs = _pick(self.session.config.decode_batch_sizes, len(seqs), "decode")
-        positions = np.zeros(bs, np.int64)
-        positions[:len(seqs)] = [s.position for s in seqs]
-        blocks = int(positions.max()) // self._stride + 1
-        tokens = np.zeros((bs, 1), np.int64)
-        ids = np.full((bs, blocks), self._scratch, np.int64)
-        for r, s in enumerate(seqs):
-            tokens[r, 0] = s.tokens[-1]
-            own = s.pages[:blocks]
-            ids[r, :len(own)] = own  # entries past a row's position are masked
+        bs = pick_batch_size(self.session.config.decode_batch_sizes, len(seqs), "decode")
+        inputs = decode_inputs([s.tokens[-1] for s in seqs], [s.position for s in seqs], [s.pages for s in seqs],
+                               bs, self._stride, self._scratch)
         t = time.perf_counter()
-        logits = self.session.decode(tokens, positions + 1, positions, ids)
+        logits = self.session.decode(*inputs)
         self.stats.decode_s += time.perf_counter() - t
         self.stats.decode_steps += 1
         self.stats.decode_tokens += len(seqs)

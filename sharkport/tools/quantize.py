@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("nothing to write: pass --output-irpa OUT.irpa and/or --output-gguf OUT.gguf")
 
     from ..archive import Dataset, save_dataset
-    from ..quant.quantize import TypeRule, parse_type, plan_types, requantized
+    from ..archive.quantize import TypeRule, parse_type, plan_types, requantized
 
     default = parse_type(args.type) if args.type else None
     rules = [TypeRule.parse(text) for text in args.type_map]
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         save_dataset(quantized, args.output_irpa, progress=progress)
         print(f"wrote {args.output_irpa}", file=sys.stderr)
     if args.output_gguf:
-        from .to_gguf import write_gguf
+        from ..formats.gguf_write import write_gguf
 
         write_gguf(quantized, args.output_gguf, progress=progress)
         print(f"wrote {args.output_gguf}", file=sys.stderr)
