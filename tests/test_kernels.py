@@ -20,9 +20,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from sharkport import kernels, ops
+from sharkport import kernels
 from sharkport.archive.tensors import QuantizedTensor, weight_from_raw
-from sharkport.quant.quantize import quantize_array
+from sharkport.export.kernels import KernelLinear, KernelRMSNorm, fused_product, use_kernels
+from sharkport.layers import Linear, RMSNorm
+from sharkport.archive.quantize import quantize_array
 from run_cli import run
 from tiny_models import TINY_EXPORT, decode_ms, exact_cache
 
@@ -32,7 +34,7 @@ KINDS = ["Q8_0", "Q4_0", "Q4_1", "F16"]
 
 
 class _Linear(torch.nn.Module):
-    """x @ w.T through ops.linear, with w's planes as module buffers (constants of the module,
+    """x @ w.T through the export's kernel product (KernelLinear), with w's planes as module buffers (constants of the module,
     which IREE packs into one buffer: the kernels must honour each plane's offset in it)."""
 
     def __init__(self, w):
@@ -42,20 +44,23 @@ class _Linear(torch.nn.Module):
         for name in self.names:
             self.register_buffer(name, w.planes[name] if isinstance(w, QuantizedTensor) else w)
 
-    def forward(self, x):
+    def weight(self):
         if self.type_name == "F16":
-            return ops.linear(x, self.w)
-        return ops.linear(x, QuantizedTensor(self.type_name, self.shape, {n: getattr(self, n) for n in self.names}))
+            return self.w
+        return QuantizedTensor(self.type_name, self.shape, {n: getattr(self, n) for n in self.names})
+
+    def forward(self, x):
+        return KernelLinear(Linear(self.weight()))(x)
 
 
 @pytest.fixture
 def two_cpus(monkeypatch):
     """Products split into workgroups as for 2 CPUs (kernels.workgroups), whatever the machine."""
-    monkeypatch.setattr(kernels, "_cpus", lambda: 2)
+    monkeypatch.setattr(kernels.layout, "cpus", lambda: 2)
 
 
 @pytest.fixture(params=[pytest.param(isa, marks=pytest.mark.skipif(
-    isa == "avx512" and not kernels.AVX512_FEATURES <= kernels._cpu_features(),
+    isa == "avx512" and not kernels.AVX512_FEATURES <= kernels.build._cpu_features(),
     reason="this machine has no AVX-512 with VNNI")) for isa in kernels.ISA_FLAGS])
 def isa(request, monkeypatch):
     """Kernels built for each instruction set (kernels.isa), those this machine can run."""
@@ -64,12 +69,10 @@ def isa(request, monkeypatch):
 
 
 def _export(module, *inputs, path):
-    """module's forward traced with the kernels enabled (as the exporter traces decode) into the
-    MLIR file `path`; its text."""
+    """module's forward traced into the MLIR file `path`; its text."""
     from iree.turbine import aot
 
-    with kernels.enabled():
-        exported = aot.export(module, args=inputs)
+    exported = aot.export(module, args=inputs)
     exported.save_mlir(path)
     assert kernels.referenced_by(path), "the product was not routed through a kernel"
     return path.read_text()
@@ -155,7 +158,7 @@ def test_f16_rows_ending_in_half_a_vector(rows, isa, two_cpus, tmp_path):
 
 
 class _Fused(torch.nn.Module):
-    """ops.linear3 (q, k, v of one x, concatenated) or ops.silu_gate over weights as buffers."""
+    """kernels.matvec_qkv (q, k, v of one x, concatenated) or kernels.swiglu over weights as buffers."""
 
     def __init__(self, form, weights):
         super().__init__()
@@ -163,14 +166,9 @@ class _Fused(torch.nn.Module):
         for i, part in enumerate(self.parts):
             self.add_module(f"w{i}", part)
 
-    def weight(self, part):
-        if part.type_name == "F16":
-            return part.w
-        return QuantizedTensor(part.type_name, part.shape, {n: getattr(part, n) for n in part.names})
-
     def forward(self, x):
-        w = [self.weight(p) for p in self.parts]
-        return torch.cat(ops.linear3(x, *w), dim=-1) if self.form == "qkv" else ops.silu_gate(x, *w)
+        w = [p.weight() for p in self.parts]
+        return torch.cat(kernels.matvec_qkv(x, *w), dim=-1) if self.form == "qkv" else kernels.swiglu(x, *w)
 
 
 @pytest.mark.parametrize("form, sizes", [("qkv", [80, 42, 26]), ("qkv", [80, 48, 24]), ("swiglu", [83, 83]),
@@ -194,9 +192,10 @@ def test_fused_products_equal_gguf_dequantization(kind, form, sizes, isa, two_cp
 
 
 class _NormResidual(torch.nn.Module):
-    """The products of ops.normed(x, g, eps) (`matvec_norm`: ops.linear, `qkv_norm`: ops.linear3,
-    concatenated, `swiglu_norm`: ops.silu_gate), or `matvec_add`: ops.linear(x, w, residual=r);
-    the weights and g as buffers."""
+    """The export's kernel products of x RMS-normalized by g (`matvec_norm`: KernelLinear with a
+    norm, `qkv_norm`: kernels.matvec_qkv, concatenated, `swiglu_norm`: kernels.swiglu, each
+    through fused_product), or `matvec_add`: KernelLinear with a residual r; the weights and g
+    as buffers."""
 
     def __init__(self, form, weights, g, eps):
         super().__init__()
@@ -204,21 +203,25 @@ class _NormResidual(torch.nn.Module):
         self.register_buffer("g", g)
 
     def forward(self, x, r=None):
-        w = [self.fused.weight(p) for p in self.fused.parts]
+        w = [p.weight() for p in self.fused.parts]
+        norm = KernelRMSNorm(RMSNorm(self.g, self.eps))
         if self.form == "matvec_add":
-            return ops.linear(x, w[0], residual=r)
-        x = ops.normed(x, self.g, self.eps)
+            return KernelLinear(Linear(w[0]))(x, residual=r)
         if self.form == "matvec_norm":
-            return ops.linear(x, w[0])
-        return torch.cat(ops.linear3(x, *w), dim=-1) if self.form == "qkv_norm" else ops.silu_gate(x, *w)
+            return KernelLinear(Linear(w[0]))(x, norm=norm)
+        if self.form == "qkv_norm":
+            ys, _ = fused_product(lambda rows, n: kernels.matvec_qkv(rows, *w, n), x, norm)
+            return torch.cat(ys, dim=-1)
+        y, _ = fused_product(lambda rows, n: kernels.swiglu(rows, *w, n), x, norm)
+        return y
 
 
 @pytest.mark.parametrize("form, sizes", [("matvec_norm", [83]), ("qkv_norm", [80, 42, 26]),
                                          ("swiglu_norm", [88, 88]), ("matvec_add", [88])])
 @pytest.mark.parametrize("kind", KINDS)
 def test_products_normalize_x_and_add_the_residual(kind, form, sizes, isa, two_cpus, tmp_path):
-    """A decode layer's RMSNorms and residual adds inside its products' dispatches (ops.normed and
-    linear's residual): x normalized as transformers' LlamaRMSNorm does (then, for quantized weights,
+    """A decode layer's RMSNorms and residual adds inside its products' dispatches (the export's
+    kernel modules): x normalized as transformers' LlamaRMSNorm does (then, for quantized weights,
     quantized to Q8_0), times the matrices (gguf's dequantization), plus the residual. Three rows
     of x, one of them small enough that eps counts; matrices of 88 and 80, 48, 24 rows interleaved,
     83 and 42 one row at a time."""
@@ -330,9 +333,9 @@ def test_decode_attention_equals_torch_sdpa(head_dim, rope_dim, layout, dtype, c
     cos, sin = angles.cos().float(), angles.sin().float()
     scale = 0.7 / head_dim ** 0.5
 
-    monkeypatch.setattr(kernels, "_cpus", lambda: cpus)
+    monkeypatch.setattr(kernels.layout, "cpus", lambda: cpus)
     # the kernel updates the cache in place: functionalized in the form turbine imports, as the exporter does
-    with kernels.enabled(), torch._export.config.patch(enable_auto_functionalized_v2_for_export=False):
+    with torch._export.config.patch(enable_auto_functionalized_v2_for_export=False):
         exported = aot.export(_Attention(cache, 1, scale, layout), strict_export=False,
                               args=(q, k, v, state.clone(), pages, starts, seq_lens, cos, sin))
     mlir, vmfb = tmp_path / "m.mlir", tmp_path / "m.vmfb"
@@ -365,8 +368,7 @@ def test_decode_attention_equals_torch_sdpa(head_dim, rope_dim, layout, dtype, c
 
     # the op run eagerly (what tracing falls back on outside IREE) writes and attends the same
     eager_state = state.clone()
-    with kernels.enabled():
-        eager = _Attention(cache, 1, scale, layout)(q, k, v, eager_state, pages, starts, seq_lens, cos, sin)
+    eager = _Attention(cache, 1, scale, layout)(q, k, v, eager_state, pages, starts, seq_lens, cos, sin)
     np.testing.assert_allclose(eager_state.float().numpy(), written.float().numpy(),
                                rtol=2 ** -10 if dtype == torch.float16 else 0, atol=1e-6)
     np.testing.assert_allclose(eager.numpy(), got, rtol=0, atol=2e-6 * np.abs(got).max())
@@ -379,7 +381,7 @@ def test_decode_attention_equals_torch_sdpa(head_dim, rope_dim, layout, dtype, c
     (4, 8, 512, 2, 4),  # 8 kv heads of 512 values a group: 4 fill MAX_GD
     (8, 3, 192, 64, 1)])  # more CPUs than (sequence, kv head) pairs
 def test_attention_workgroups_leave_one_for_each_cpu(batch, kv_heads, gd, cpus, want, monkeypatch):
-    monkeypatch.setattr(kernels, "_cpus", lambda: cpus)
+    monkeypatch.setattr(kernels.layout, "cpus", lambda: cpus)
     assert kernels.kv_heads_per_workgroup(batch, kv_heads, gd) == want
 
 
@@ -408,10 +410,9 @@ def test_prefill_attention_equals_torch_sdpa(head_dim, tmp_path):
     rng = np.random.default_rng(head_dim)
     f32 = lambda *shape: torch.from_numpy(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
     seq = torch.export.Dim("seq", max=4096)
-    with kernels.enabled():
-        exported = aot.export(_PrefillAttention(scale), args=(f32(B, 9, H, head_dim), f32(B, 9, Hkv, head_dim),
-                                                              f32(B, 9, Hkv, head_dim)),
-                              dynamic_shapes={"q": {1: seq}, "k": {1: seq}, "v": {1: seq}}, strict_export=False)
+    exported = aot.export(_PrefillAttention(scale), args=(f32(B, 9, H, head_dim), f32(B, 9, Hkv, head_dim),
+                                                          f32(B, 9, Hkv, head_dim)),
+                          dynamic_shapes={"q": {1: seq}, "k": {1: seq}, "v": {1: seq}}, strict_export=False)
     mlir, vmfb = tmp_path / "m.mlir", tmp_path / "m.vmfb"
     exported.save_mlir(mlir)
     assert "sharkport_prefill_attention(" in mlir.read_text()
@@ -431,12 +432,10 @@ def test_prefill_attention_equals_torch_sdpa(head_dim, tmp_path):
 
 
 def test_many_rows_keep_the_traced_product():
-    """Beyond MAX_ROWS rows (prefill) and outside `enabled()` no kernel is used."""
+    """Beyond MAX_ROWS rows (prefill), and for x not in float32, no kernel is used."""
     w = torch.zeros(32, 64, dtype=torch.float16)
-    with kernels.enabled():
-        assert kernels.matvec(torch.zeros(kernels.MAX_ROWS + 1, 64), w) is None
-        assert kernels.matvec(torch.zeros(2, 64, dtype=torch.float16), w) is None
-    assert kernels.matvec(torch.zeros(1, 64), w) is None
+    assert kernels.matvec(torch.zeros(kernels.MAX_ROWS + 1, 64), w) is None
+    assert kernels.matvec(torch.zeros(2, 64, dtype=torch.float16), w) is None
 
 
 @pytest.fixture(scope="module")
@@ -674,7 +673,7 @@ def test_blocks_compute_what_the_five_kernels_do_on_any_worker_count(kernel_modu
     # exported for 3 CPUs: three spans of each product's chunks, of unequal lengths (the tiny
     # model's 64 outputs are two chunks, so one span is empty), whatever is left taken from the
     # other spans' backs, on 2 workers and on 1
-    monkeypatch.setattr(kernels, "_cpus", lambda: 3)
+    monkeypatch.setattr(kernels.layout, "cpus", lambda: 3)
     three = _export_without([], irpa, tmp_path, "three", monkeypatch)
     assert re.search(r"sharkport_layer_block_\w+_wg3", three[0].with_suffix(".mlir").read_text())
     for workers in (2, 1):
@@ -693,6 +692,7 @@ def test_layer_block_run_eagerly_decodes_as_compiled(kernel_module):
     vmfb, irpa, config_json, _ = kernel_module("q4_1")
     session = IreeSession(vmfb, irpa, config_json, pages=TINY_EXPORT.device_block_count)
     model = build_model(Dataset.load(irpa), exact_cache())  # as kernel_module("q4_1")
+    kernel_model = use_kernels(build_model(Dataset.load(irpa), exact_cache()))
     cache = model.new_cache(TINY_EXPORT.device_block_count)
     ids = [3, 99, 14, 200, 7, 7, 51, 128, 60, 2, 31, 90, 17, 5, 250, 33, 8, 64, 101, 12]
     pages = np.arange(4, dtype=np.int64)[:, None] * 2 + np.arange(2)
@@ -704,8 +704,7 @@ def test_layer_block_run_eagerly_decodes_as_compiled(kernel_module):
         for pos in range(5, len(ids)):
             args = (np.full((4, 1), ids[pos]), np.full(4, pos + 1), np.full(4, pos), pages[:, :pos // 16 + 1].copy())
             want = np.array(session.decode(*args), copy=True)
-            with kernels.enabled():
-                got = model.decode(*(torch.from_numpy(a) for a in args), cache).numpy()
+            got = kernel_model.decode(*(torch.from_numpy(a) for a in args), cache).numpy()
             np.testing.assert_allclose(got.reshape(want.shape), want, rtol=0, atol=1e-4 * np.abs(want).max(),
                                        err_msg=f"position {pos}")
 

@@ -15,9 +15,10 @@ import torch
 from iree.turbine import aot
 from iree.turbine.aot import FxProgramsBuilder
 
-from sharkport import kernels
 from sharkport.compile import compile_mlir
-from sharkport.ops import rms_norm, silu_gate
+from sharkport.export.kernels import KernelRMSNorm
+from sharkport.layers import Linear, RMSNorm
+from sharkport.ops import silu_gate
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -25,8 +26,8 @@ K, N = 64, 96
 
 
 def _export(path, gate, up, plain: bool):
-    """A module with `swiglu(x [M, K]) -> [M, N]`, M dynamic: through ops.silu_gate, or (plain)
-    the same product as torch ops."""
+    """A module with `swiglu(x [M, K]) -> [M, N]`, M dynamic: through ops.silu_gate (its products
+    layers.Linear), or (plain) the same product as torch ops."""
     fxb = FxProgramsBuilder(torch.nn.Module())
     m = torch.export.Dim("m", min=1, max=4096)
 
@@ -34,7 +35,7 @@ def _export(path, gate, up, plain: bool):
     def _swiglu(module, x):
         if plain:
             return torch.nn.functional.silu(x @ gate.t()) * (x @ up.t())
-        return silu_gate(x, gate, up)
+        return silu_gate(x, Linear(gate), Linear(up))
 
     with torch.no_grad():
         text = str(aot.export(fxb).mlir_module)
@@ -90,17 +91,17 @@ E, EPS = 96, 1e-5
 @pytest.fixture(scope="module")
 def norm_module(tmp_path_factory):
     """`norm_bs{B}(h [B, 1, E]) -> rms_norm(h)` for B 1 and 4, traced as the exporter traces decode
-    (inside kernels.enabled())."""
+    (the export's kernel norm, KernelRMSNorm)."""
     root = tmp_path_factory.mktemp("norms")
     w = torch.from_numpy(np.random.default_rng(11).uniform(0.5, 1.5, E).astype(np.float32))
     fxb = FxProgramsBuilder(torch.nn.Module())
-    with kernels.enabled():  # programs are traced as they are declared
-        for b in (1, 4):
-            h = torch.zeros(b, 1, E)
+    norm = KernelRMSNorm(RMSNorm(w, EPS))
+    for b in (1, 4):
+        h = torch.zeros(b, 1, E)
 
-            @fxb.export_program(name=f"norm_bs{b}", args=(h,), strict=False)
-            def _norm(module, h):
-                return rms_norm(h, w, EPS)
+        @fxb.export_program(name=f"norm_bs{b}", args=(h,), strict=False)
+        def _norm(module, h):
+            return norm(h)
 
     with torch.no_grad():
         text = str(aot.export(fxb).mlir_module)

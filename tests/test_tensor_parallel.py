@@ -33,8 +33,9 @@ from sharkport.export.abi import ExportConfig
 from sharkport.models import build_model
 from sharkport.parallel import ShardedLlama, rank_path, save_sharded, shard_in_memory
 from sharkport.parallel.sharding import RULES, rule
-from sharkport.quant.quantize import plan_types, requantized
-from sharkport.runtime.session import EagerSession, IreeSession
+from sharkport.archive.quantize import plan_types, requantized
+from sharkport.runtime.eager import EagerSession
+from sharkport.runtime.session import IreeSession
 from tiny_models import TINY_EXPORT, TinyRecipes, exact_cache
 
 STRIDE = 16

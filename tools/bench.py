@@ -61,7 +61,7 @@ from sharkport.compile import compile_flags, compile_mlir
 from sharkport.export import ExportConfig, export_model, save_export
 from sharkport.models import ModelConfig
 from sharkport.packaged import packaged_gguf
-from sharkport.quant.quantize import plan_types, requantized
+from sharkport.archive.quantize import plan_types, requantized
 from sharkport.runtime import hugepages
 from sharkport.runtime.session import IreeSession
 

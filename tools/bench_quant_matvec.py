@@ -6,7 +6,7 @@
 
 First table: forms traced from torch with the weights kept quantized, compiled with the
 `llvm-cpu-lean` preset (weights are function arguments, so nothing is hoisted to load time).
-Second table: `sharkport.ops.linear` as decode exports it, the weights module constants, compiled
+Second table: `layers.Linear` as decode exports it, the weights module constants, compiled
 with the default `llvm-cpu` preset: the traced dequantize-and-`mm` (hoisted: dequantized and
 packed as float32 once, at load) against the hand-written kernels of `export --matvec-kernels`,
 which read the weights as stored. Every form is checked against torch and timed (median of
@@ -26,7 +26,8 @@ import numpy as np
 import torch
 from iree.turbine import aot
 
-from sharkport import kernels, ops
+from sharkport import layers
+from sharkport.export.kernels import KernelLinear
 from sharkport.archive.tensors import QuantizedTensor
 from sharkport.compile import compile_mlir
 
@@ -86,17 +87,19 @@ class Traced(torch.nn.Module):
 
 
 class Linear(torch.nn.Module):
-    """x @ w.T as decode exports it (sharkport.ops.linear), w's planes module constants."""
+    """x @ w.T as decode exports it (layers.Linear, or with `kernels` the export's KernelLinear),
+    w's planes module constants."""
 
     def __init__(self, w):
         super().__init__()
-        self.w = w
+        self.w, self.kernels = w, False
         for name, plane in w.planes.items():
             self.register_buffer(name, plane)
 
     def forward(self, x):
-        return ops.linear(x, QuantizedTensor(self.w.type_name, self.w.shape,
-                                             {n: getattr(self, n) for n in self.w.planes}))
+        product = layers.Linear(QuantizedTensor(self.w.type_name, self.w.shape,
+                                                {n: getattr(self, n) for n in self.w.planes}))
+        return (KernelLinear(product) if self.kernels else product)(x)
 
 
 def run(fn, args, work: Path, repeat: int, preset: str = "llvm-cpu-lean",
@@ -109,8 +112,9 @@ def run(fn, args, work: Path, repeat: int, preset: str = "llvm-cpu-lean",
     tune_local_task(rt)  # as the runner does: a local-task worker per CPU, spinning between dispatches
     mlir, vmfb = work / "f.mlir", work / "f.vmfb"
     module = fn if isinstance(fn, torch.nn.Module) else Traced(fn)
-    with kernels.enabled(use_kernels):
-        aot.export(module, args=args).save_mlir(mlir)
+    if isinstance(module, Linear):
+        module.kernels = use_kernels
+    aot.export(module, args=args).save_mlir(mlir)
     compile_mlir(mlir, vmfb, preset)
     config = rt.Config("local-task")
     ctx = rt.SystemContext(config=config)

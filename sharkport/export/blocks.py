@@ -1,11 +1,13 @@
 """One traced transformer block per exported function, called for every layer.
 
 torch.export costs about 3 ms per traced node (tracing, decomposition, turbine's import), and a
-llama's blocks differ only in their weights and cache layer. So while the exporter traces a
-function, `CausalLM.run_blocks` hands its blocks to `BlockTracer`, which emits each block as one
-node: a turbine custom op `sharkport_block.call{N}(name, layer, h, *inputs, cache)` that updates
-`cache` in place and returns the new h. Once the functions are traced, each block is traced alone
-(`export_block`), with its weights and cache layer as arguments. When turbine expands the custom
+model's blocks differ mostly in their weights and cache layer. So before the exporter traces the
+functions, `BlockTracer` swaps the model's blocks for calls (`BlockCall`), which emit each block
+as one node: a turbine custom op `sharkport_block.call{N}(name, layer, h, *inputs, cache)` that
+updates `cache` in place and returns the new h. Blocks of equal weight structure and
+`CausalLM.block_key` share a block function. Once the functions are traced, each block function
+is traced alone (`export_block`): the recipe's block (`CausalLM.make_block`, then the export's
+transformation, such as the kernels') over its weights and cache layer as arguments. When turbine expands the custom
 ops into MLIR, the first call of a block imports its program as the private function `name`
 (turbine's importer, then its custom-op expansion: the dequantization and kernel ops inside the
 block), and every call becomes a `func.call` of it on the layer's parameters (`util.global`s of
@@ -53,10 +55,12 @@ class TensorMeta:
 
 @dataclass
 class Block:
-    """What `export_block` needs to trace one block function: the step, the weights' layout
+    """What `export_block` needs to trace one block function: how to build the block over a
+    layer's weights (`make(theta, layer)`), which of its functions (`kind`), the weights' layout
     (`structure`) and a layer's weights as examples, and the traced args it was called with."""
 
-    step: Callable
+    make: Callable
+    kind: str
     structure: tuple
     weights: list[torch.Tensor]
     h: TensorMeta
@@ -94,35 +98,53 @@ def _unflatten(structure: tuple, flat) -> Theta:
 
 
 class BlockTracer:
-    """The `BLOCK_RUNNER` while the exporter traces function `program`: emits each layer as a call
-    of its block function and records the blocks to trace (`blocks`, by function name) and each
-    layer's parameters (`params`, by layer)."""
+    """Swaps `model.blocks` for `BlockCall`s, unless its weights would be inlined into the module
+    or placed on devices (then every block is traced as it is). While the exporter traces function
+    `program`, records the block functions to trace (`blocks`, by function name) and each layer's
+    parameters (`params`, by layer). `transform` is what the export does to a built block."""
 
-    def __init__(self):
+    def __init__(self, model, transform: Callable):
+        self.model, self.transform = model, transform
         self.blocks: dict[str, Block] = {}
         self.params: dict[int, list[tuple[str, str, tuple, torch.dtype]]] = {}
         self.program = ""
         self._count: dict[str, int] = {}  # block functions of each program so far
+        self._names: dict[tuple[str, tuple], str] = {}  # (program, structure and key) -> block function
+        theta = getattr(model, "theta", None)
+        if not isinstance(theta, Theta):
+            return
+        self._layers = [_flatten(theta("blk", i)) for i in range(len(model.blocks))]
+        if all(ExternalTensorTrait.get(w) and not DeviceTensorTrait.get(w) for _, ws in self._layers for w in ws):
+            model.blocks = torch.nn.ModuleList(BlockCall(self, i) for i in range(len(model.blocks)))
 
-    def __call__(self, model, step, h, inputs, cache_state):
-        layers = [_flatten(model.theta("blk", i)) for i in range(model.hp.block_count)]
-        if not all(ExternalTensorTrait.get(w) and not DeviceTensorTrait.get(w) for _, ws in layers for w in ws):
-            # weights the module would inline, or place on devices: trace every block
-            for i in range(model.hp.block_count):
-                h = step(model.theta("blk", i), i, h, *inputs, cache_state)
-            return h
-        structures: dict[tuple, str] = {}
-        for i, (structure, weights) in enumerate(layers):
-            name = structures.get(structure)
-            if name is None:
-                count = self._count[self.program] = self._count.get(self.program, -1) + 1
-                name = structures[structure] = f"sharkport_block_{self.program}_{count}"
-                self.blocks[name] = Block(step, structure, weights, TensorMeta.of(h),
-                                          [TensorMeta.of(t) for t in inputs], TensorMeta.of(cache_state),
-                                          _shape_env(h, *inputs, cache_state))
-            self.params[i] = [_param(w) for w in weights]
-            h = _call_op(1 + len(inputs))(name, i, h, *inputs, cache_state)
-        return h
+    def call(self, kind: str, i: int, h, inputs, cache_state):
+        """Block i's `kind` on h as a call of its block function."""
+        structure, weights = self._layers[i]
+        key = (self.program, structure, self.model.block_key(i))
+        name = self._names.get(key)
+        if name is None:
+            count = self._count[self.program] = self._count.get(self.program, -1) + 1
+            name = self._names[key] = f"sharkport_block_{self.program}_{count}"
+            make = lambda theta, layer, i=i: self.transform(self.model.make_block(theta, i, layer))  # noqa: E731
+            self.blocks[name] = Block(make, kind, structure, weights, TensorMeta.of(h),
+                                      [TensorMeta.of(t) for t in inputs], TensorMeta.of(cache_state),
+                                      _shape_env(h, *inputs, cache_state))
+        self.params[i] = [_param(w) for w in weights]
+        return _call_op(1 + len(inputs))(name, i, h, *inputs, cache_state)
+
+
+class BlockCall(torch.nn.Module):
+    """Block i of a model as a call of its block function (see BlockTracer)."""
+
+    def __init__(self, tracer: BlockTracer, i: int):
+        super().__init__()
+        self.tracer, self.i = tracer, i
+
+    def prefill(self, h, *args):
+        return self.tracer.call("prefill", self.i, h, args[:-1], args[-1])
+
+    def decode(self, h, *args):
+        return self.tracer.call("decode", self.i, h, args[:-1], args[-1])
 
 
 def _param(w: torch.Tensor) -> tuple[str, str, tuple, torch.dtype]:
@@ -139,8 +161,8 @@ def _shape_env(*tensors):
 
 
 class _BlockModule(torch.nn.Module):
-    """forward(h, *inputs, layer, *weights, cache) = step(theta of the weights, layer, h, *inputs,
-    cache), cache updated in place."""
+    """forward(h, *inputs, layer, *weights, cache): the block over the weights and cache layer,
+    its `kind` on h, the inputs and the cache, which it updates in place."""
 
     def __init__(self, block: Block):
         super().__init__()
@@ -150,7 +172,7 @@ class _BlockModule(torch.nn.Module):
         b = self.block
         n = len(b.inputs)
         inputs, layer, weights, cache = args[:n], args[n], args[n + 1:-1], args[-1]
-        return b.step(_unflatten(b.structure, weights), layer, h, *inputs, cache)
+        return getattr(b.make(_unflatten(b.structure, weights), layer), b.kind)(h, *inputs, cache)
 
 
 def _example_args(block: Block):
@@ -194,9 +216,9 @@ def export_block(block: Block, decompose: Callable) -> torch.export.ExportedProg
     program = torch.export.export(_BlockModule(block), args, dynamic_shapes=specs, strict=False)
     program = decompose(program)
     large = [n for n, c in program.constants.items() if isinstance(c, torch.Tensor) and c.numel() > 4096]
-    if large:  # a weight read outside the step's theta would be inlined into the module
+    if large:  # a weight read outside the block's theta would be inlined into the module
         raise SharkportError(f"block export: the traced block holds large constants {large}; a block "
-                             "step must read weights only through its theta")
+                             "must read weights only through its theta")
     return program
 
 

@@ -17,8 +17,8 @@ from .. import kernels
 from ..archive import Dataset, QuantizedTensor
 from ..fileio import atomic_output
 from ..models import CausalLM, ModelConfig, build_model
-from ..models.base import BLOCK_RUNNER
 from .blocks import BlockTracer, export_block, programs
+from .kernels import use_kernels
 from .abi import (REFLECTION_KEY, ExportConfig, ServiceConfig, dtype_name, dynamic_shapes, example_args,
                   module_facts)
 
@@ -73,12 +73,14 @@ def export_model(dataset: Dataset, config: ExportConfig,
 def trace_programs(model: CausalLM, config: ExportConfig, program_args) -> aot.ExportOutput:
     """Traces `model`'s prefill_bs{N} and decode_bs{N} for the config's batch sizes into one MLIR
     module. `program_args(kind, bs)` gives each function's example args, dynamic shapes and
-    argument devices (None: one device). With `config.matvec_kernels`, decode's products with
-    Q8_0/Q4_0/Q4_1/F16 weights call sharkport.kernels.
+    argument devices (None: one device). With `config.matvec_kernels`, the model's layers are
+    swapped for the kernels' (export.kernels.use_kernels).
 
-    Unless `config.unroll_blocks`, the transformer blocks a recipe runs through
-    `CausalLM.run_blocks` are traced once per function and called for every layer
-    (sharkport.export.blocks)."""
+    Unless `config.unroll_blocks`, the model's blocks are traced once per function and structure
+    and called for every layer (sharkport.export.blocks)."""
+    transform = use_kernels if config.matvec_kernels else (lambda module: module)
+    model = transform(model)
+    tracer = None if config.unroll_blocks else BlockTracer(model, transform)
     fxb = FxProgramsBuilder(model)
     decompositions = current_aot_decompositions()
 
@@ -88,18 +90,17 @@ def trace_programs(model: CausalLM, config: ExportConfig, program_args) -> aot.E
             warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
             return without_dtype_asserts(program).run_decompositions(decompositions)
 
-    tracer = BlockTracer()
     # turbine decomposes each program right after tracing it when its table is not empty; with an
     # empty one it does not, and the dtype asserts are erased before decomposing (below).
     # Block calls update the cache in place: functionalized as auto_functionalized (v1), the form
     # turbine's importer knows.
-    with (extend_aot_decompositions(from_current=False), kernels.enabled(config.matvec_kernels),
+    with (extend_aot_decompositions(from_current=False),
           torch._export.config.patch(enable_auto_functionalized_v2_for_export=False), _no_stack_traces()):
-        _trace_all(fxb, config, program_args, None if config.unroll_blocks else tracer)
-        blocks = {name: export_block(block, decompose) for name, block in tracer.blocks.items()}
+        _trace_all(fxb, config, program_args, tracer)
+        blocks = {name: export_block(block, decompose) for name, block in tracer.blocks.items()} if tracer else {}
         for target in fxb.programs.values():
             target.target = decompose(target.target)
-    with torch.no_grad(), programs(blocks, tracer.params):
+    with torch.no_grad(), programs(blocks, tracer.params if tracer else {}):
         output = aot.export(fxb)
     _verify(output.mlir_module)
     return output
@@ -144,7 +145,9 @@ def _trace_all(fxb: FxProgramsBuilder, config: ExportConfig, program_args, trace
         return module.prefill(tokens, seq_lens, seq_block_ids, cache_state)
 
     def decode(module, tokens, seq_lens, start_positions, seq_block_ids, cache_state):
-        seq_lens, start_positions, seq_block_ids = kernels.decode_indices(seq_lens, start_positions, seq_block_ids)
+        if config.matvec_kernels:
+            seq_lens, start_positions, seq_block_ids = kernels.decode_indices(seq_lens, start_positions,
+                                                                              seq_block_ids)
         return module.decode(tokens, seq_lens, start_positions, seq_block_ids, cache_state)
 
     for kind, sizes, fn in (("prefill", config.bs_prefill, prefill), ("decode", config.bs_decode, decode)):
@@ -153,12 +156,7 @@ def _trace_all(fxb: FxProgramsBuilder, config: ExportConfig, program_args, trace
             name = f"{kind}_bs{bs}"
             if tracer is not None:
                 tracer.program = name
-            token = BLOCK_RUNNER.set(tracer)
-            try:
-                fxb.export_program(name=name, strict=False, args=args, dynamic_shapes=shapes,
-                                   arg_device=devices)(fn)
-            finally:
-                BLOCK_RUNNER.reset(token)
+            fxb.export_program(name=name, strict=False, args=args, dynamic_shapes=shapes, arg_device=devices)(fn)
 
 
 def save_export(output: aot.ExportOutput, service: ServiceConfig,

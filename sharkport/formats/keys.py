@@ -135,21 +135,27 @@ class HParams:
 
 
 @dataclass(frozen=True)
-class LlamaHParams(HParams):
-    """Llama-family hyperparameters (names follow the GGUF keys)."""
+class DecoderHParams(HParams):
+    """What every decoder-only recipe has: its depth, widths, heads, context and vocabulary."""
 
-    KEYS: ClassVar[dict[str, tuple[str, Any]]] = LLAMA_KEYS
     block_count: int
     embedding_length: int
     feed_forward_length: int
     head_count: int
+    context_length: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class LlamaHParams(DecoderHParams):
+    """Llama-family hyperparameters (names follow the GGUF keys)."""
+
+    KEYS: ClassVar[dict[str, tuple[str, Any]]] = LLAMA_KEYS
     head_count_kv: int
     head_dim: int
     rope_dim: int
     rope_freq_base: float
     rms_eps: float
-    context_length: int
-    vocab_size: int
     sliding_window: int = 0
     expert_count: int = 0
     expert_used_count: int = 0
@@ -224,17 +230,11 @@ class Gemma3HParams(LlamaHParams):
 
 
 @dataclass(frozen=True)
-class GPT2HParams(HParams):
+class GPT2HParams(DecoderHParams):
     """GPT-2: learned positions, LayerNorm, fused QKV, GELU; heads share E / head_count dims."""
 
     KEYS: ClassVar[dict[str, tuple[str, Any]]] = GPT2_KEYS
-    block_count: int
-    embedding_length: int
-    feed_forward_length: int
-    head_count: int
     norm_eps: float
-    context_length: int
-    vocab_size: int
 
     def __post_init__(self):
         super().__post_init__()

@@ -5,31 +5,28 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import kernels
-from ..archive.tensors import Theta
-from ..ops import Normed, expert, gelu_tanh, linear, materialized, silu_gate
+from ..archive.tensors import Theta, Weight
+from ..ops import expert, gelu_tanh, silu_gate
+from .linear import Linear
 
 
 class SwiGLU(torch.nn.Module):
-    """down(act(gate(x)) * up(x)) (+ residual) over `ffn_gate`, `ffn_up`, `ffn_down`; act is SiLU
-    (llama) or tanh-GELU (Gemma's GeGLU). x may be ops.normed."""
+    """down(act(gate(x)) * up(x)) over `ffn_gate`, `ffn_up`, `ffn_down`; act is SiLU (llama) or
+    tanh-GELU (Gemma's GeGLU)."""
 
     def __init__(self, theta: Theta, activation=F.silu):
         super().__init__()
-        self.theta, self.activation = theta, activation
+        self.activation = activation
+        self.gate, self.up, self.down = (Linear(theta[f"ffn_{p}.weight"]) for p in ("gate", "up", "down"))
 
-    def forward(self, x: torch.Tensor | Normed, residual: torch.Tensor | None = None) -> torch.Tensor:
-        t = self.theta
-        if self.activation is F.silu and isinstance(x, Normed) and residual is x.x:
-            y = kernels.ffn_block(x.x, (x.w, x.eps), t["ffn_gate.weight"], t["ffn_up.weight"], t["ffn_down.weight"])
-            if y is not None:  # export --matvec-kernels, decode: the norm, products and residual add in one dispatch
-                return y
+    def gated(self, x: torch.Tensor) -> torch.Tensor:
+        """act(gate(x)) * up(x), the down projection's input."""
         if self.activation is F.silu:
-            h = silu_gate(x, t["ffn_gate.weight"], t["ffn_up.weight"])
-        else:
-            x = materialized(x)
-            h = self.activation(linear(x, t["ffn_gate.weight"])) * linear(x, t["ffn_up.weight"])
-        return linear(h, t["ffn_down.weight"], residual=residual)
+            return silu_gate(x, self.gate, self.up)
+        return self.activation(self.gate(x)) * self.up(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.gated(x))
 
 
 def GeGLU(theta: Theta) -> SwiGLU:
@@ -39,29 +36,43 @@ def GeGLU(theta: Theta) -> SwiGLU:
 class MixtureOfExperts(torch.nn.Module):
     """Mixtral's sparse MoE: the router `ffn_gate_inp` [X, E] scores X experts per token, the
     `used` best are kept with softmax weights renormalized over them, and the output is their
-    weighted sum of SwiGLU experts from the stacked `ffn_{gate,up,down}_exps` [X, ...] (+ residual).
+    weighted sum of SwiGLU experts from the stacked `ffn_{gate,up,down}_exps` [X, ...].
 
     Every expert runs on every token and unrouted ones get weight 0: a static graph that traces
     and compiles as is, at X/used times the work of a gather of routed experts."""
 
     def __init__(self, theta: Theta, experts: int, used: int):
         super().__init__()
-        self.theta, self.experts, self.used = theta, experts, used
+        self.used = used
+        self.router = Linear(theta["ffn_gate_inp.weight"])
+        self.gate, self.up, self.down = (torch.nn.ModuleList(
+            ExpertLinear(theta[f"ffn_{p}_exps.weight"], i) for i in range(experts)) for p in ("gate", "up", "down"))
 
-    def forward(self, x: torch.Tensor | Normed, residual: torch.Tensor | None = None) -> torch.Tensor:
-        t, x = self.theta, materialized(x)
-        probs = torch.softmax(linear(x, t["ffn_gate_inp.weight"]).to(torch.float32), dim=-1)  # [..., X]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.router(x).to(torch.float32), dim=-1)  # [..., X]
         # The `used` best experts, found by rank (how many experts score higher) rather than by
         # topk + scatter, which iree-compile 3.9 crashes on.
         rank = (probs.unsqueeze(-2) > probs.unsqueeze(-1)).sum(-1)  # [..., X]
         chosen = torch.where(rank < self.used, probs, torch.zeros_like(probs))
         weights = (chosen / chosen.sum(dim=-1, keepdim=True)).to(x.dtype)  # [..., X], 0 if unrouted
         out = torch.zeros_like(x)
-        for i in range(self.experts):
-            gate = linear(x, expert(t["ffn_gate_exps.weight"], i))
-            up = linear(x, expert(t["ffn_up_exps.weight"], i))
-            out = out + weights[..., i:i + 1] * linear(F.silu(gate) * up, expert(t["ffn_down_exps.weight"], i))
-        return out if residual is None else residual + out
+        for i, (gate, up, down) in enumerate(zip(self.gate, self.up, self.down)):
+            g, u = gate(x), up(x)
+            out = out + weights[..., i:i + 1] * down(F.silu(g) * u)
+        return out
+
+
+class ExpertLinear(Linear):
+    """The product by expert `index` of a stacked weight [X, out, in], sliced where it is used: a
+    slice taken when the model is built would be a tensor of its own, not the archive's parameter."""
+
+    def __init__(self, stacked: Weight, index: int):
+        torch.nn.Module.__init__(self)
+        self.stacked, self.index, self.bias = stacked, index, None
+
+    @property
+    def weight(self) -> Weight:
+        return expert(self.stacked, self.index)
 
 
 class GeluMLP(torch.nn.Module):
@@ -69,9 +80,8 @@ class GeluMLP(torch.nn.Module):
 
     def __init__(self, theta: Theta):
         super().__init__()
-        self.theta = theta
+        self.up = Linear(theta["ffn_up.weight"], theta.get("ffn_up.bias"))
+        self.down = Linear(theta["ffn_down.weight"], theta.get("ffn_down.bias"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t = self.theta
-        h = gelu_tanh(linear(x, t["ffn_up.weight"], t.get("ffn_up.bias")))
-        return linear(h, t["ffn_down.weight"], t.get("ffn_down.bias"))
+        return self.down(gelu_tanh(self.up(x)))

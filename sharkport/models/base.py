@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from ..archive import Theta
 from ..errors import SharkportError
 from ..layers.paged_cache import PagedCache
-
-
-# While set (by the exporter, sharkport.export.blocks), `CausalLM.run_blocks` hands the blocks to
-# it: runner(model, step, h, inputs, cache_state) -> h.
-BLOCK_RUNNER: ContextVar[Callable | None] = ContextVar("BLOCK_RUNNER", default=None)
 
 
 @dataclass(frozen=True)
@@ -78,20 +72,27 @@ class CausalLM(torch.nn.Module):
         """The optional tensors of `shapes` that the weights have (biases, an untied output)."""
         return {n: s for n, s in shapes.items() if n in self.theta}
 
-    def run_blocks(self, step: Callable, h: torch.Tensor, inputs: tuple[torch.Tensor, ...],
-                   cache_state: torch.Tensor) -> torch.Tensor:
-        """h through every transformer block in turn: `step(theta, layer, h, *inputs, cache_state)`
-        runs the block whose weights are `theta` (blk.{i}.*) and whose K/V go to cache layer `layer`
-        (the int i; a traced 0-d int64 tensor when the exporter traces one block for all layers).
+    def make_block(self, theta: Theta, index: int, layer: torch.Tensor | None = None) -> torch.nn.Module:
+        """Transformer block `index` over its weights `theta` (blk.{index}.*): a module with
+        `prefill(h, *inputs, cache_state)` and `decode(h, *inputs, cache_state)` → the new h,
+        writing its K/V into cache layer `layer` (default `index`; a traced 0-d int64 tensor when
+        the exporter traces one block for every layer of the same structure and block_key,
+        sharkport.export.blocks). A block reads weights only through `theta` and tensors only
+        from its arguments."""
+        raise NotImplementedError
 
-        A step reads weights only through `theta` and tensors only from its arguments, and does the
-        same computation for every layer whose weights have the same names, types and shapes: the
-        exporter traces it once per function and calls it for each layer (sharkport.export.blocks)."""
-        runner = BLOCK_RUNNER.get()
-        if runner is not None:
-            return runner(self, step, h, inputs, cache_state)
-        for i in range(self.hp.block_count):
-            h = step(self.theta("blk", i), i, h, *inputs, cache_state)
+    def block_key(self, layer: int) -> Any:
+        """What besides its weights' names, types and shapes makes block `layer` compute
+        differently from another (Gemma-3: local or global attention); None where nothing does."""
+        return None
+
+    def _build_blocks(self) -> None:
+        self.blocks = torch.nn.ModuleList(self.make_block(self.theta("blk", i), i) for i in range(self.hp.block_count))
+
+    def run_blocks(self, kind: str, h: torch.Tensor, inputs: tuple, cache_state: torch.Tensor) -> torch.Tensor:
+        """h through every block's `kind` ("prefill" or "decode") in turn."""
+        for block in self.blocks:
+            h = getattr(block, kind)(h, *inputs, cache_state)
         return h
 
     def _output_weight(self):

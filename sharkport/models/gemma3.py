@@ -21,9 +21,41 @@ import torch
 from ..archive import Dataset
 from ..errors import SharkportError
 from ..formats.keys import Gemma3HParams
-from ..layers import AttentionConfig, GeGLU, PagedAttention, PagedCache
-from ..ops import embedding, linear, rms_norm, rope_angles, softcap
+from ..archive.tensors import Theta
+from ..layers import AttentionConfig, GeGLU, Linear, PagedAttention, PagedCache, RMSNorm
+from ..ops import embedding, rope_angles, softcap
 from .base import CausalLM, ModelConfig
+
+
+class Gemma3Block(torch.nn.Module):
+    """A norm before and after each of attention and the feed-forward, the residual adds after
+    them; local (sliding) layers rotate by the first rope of their inputs, global ones the second."""
+
+    def __init__(self, theta: Theta, hp: Gemma3HParams, attention: AttentionConfig, cache: PagedCache, layer,
+                 sliding: bool):
+        super().__init__()
+        self.sliding = sliding
+        self.attn_norm, self.post_attention_norm, self.ffn_norm, self.post_ffw_norm = (
+            RMSNorm(theta[f"{n}.weight"], hp.rms_eps)
+            for n in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"))
+        self.attention = PagedAttention(theta, attention, cache, layer)
+        self.ffn = GeGLU(theta)
+
+    def _rope(self, cos_local, sin_local, cos_global, sin_global):
+        return (cos_local, sin_local) if self.sliding else (cos_global, sin_global)
+
+    def prefill(self, h, cos_l, sin_l, cos_g, sin_g, seq_block_ids, cache_state):
+        a = self.attention.prefill(self.attn_norm(h), self._rope(cos_l, sin_l, cos_g, sin_g), cache_state,
+                                   seq_block_ids)
+        h = h + self.post_attention_norm(a)
+        return h + self.post_ffw_norm(self.ffn(self.ffn_norm(h)))
+
+    def decode(self, h, cos_l, sin_l, cos_g, sin_g, seq_block_ids, start_positions, seq_lens, cache_state):
+        a = self.attention.decode(self.attn_norm(h), self._rope(cos_l, sin_l, cos_g, sin_g), cache_state,
+                                  seq_block_ids, start_positions, seq_lens)
+        h = h + self.post_attention_norm(a)
+        return h + self.post_ffw_norm(self.ffn(self.ffn_norm(h)))
+
 
 class Gemma3(CausalLM):
     def __init__(self, dataset: Dataset, config: ModelConfig):
@@ -45,55 +77,47 @@ class Gemma3(CausalLM):
                               | {f"blk.{i}.{n}.weight": s for i in range(hp.block_count) for n, s in block.items()})
         self.cache = PagedCache(hp.block_count, hp.head_count_kv, hp.head_dim, config.block_seq_stride)
         self.sliding = [hp.is_sliding(i) for i in range(hp.block_count)]
+        self.rope_layout = dataset.rope_layout
+        self._build_blocks()
+        self.output_norm = RMSNorm(self.theta["output_norm.weight"], hp.rms_eps)
+        self.output = Linear(self._output_weight())
 
-        def attention_config(sliding: bool) -> AttentionConfig:
-            return AttentionConfig(hp.head_count, hp.head_count_kv, hp.head_dim, dataset.rope_layout,
-                                   window=hp.sliding_window if sliding else 0, scale=hp.attention_scale,
-                                   logit_cap=hp.attn_logit_softcapping, qk_norm_eps=hp.rms_eps)
+    def make_block(self, theta: Theta, index: int, layer=None) -> Gemma3Block:
+        sliding = self.sliding[index]
+        return Gemma3Block(theta, self.hp, self.attention_config(sliding), self.cache,
+                           index if layer is None else layer, sliding)
 
-        self.attention = torch.nn.ModuleList(
-            PagedAttention(self.theta("blk", i), attention_config(self.sliding[i]), self.cache, i)
-            for i in range(hp.block_count)
-        )
-        self.ffn = torch.nn.ModuleList(GeGLU(self.theta("blk", i)) for i in range(hp.block_count))
-        self.output = self._output_weight()
-
-    def _ropes(self, positions: torch.Tensor) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
-        """{sliding: (cos, sin)}: local and global layers rotate with different bases."""
+    def attention_config(self, sliding: bool) -> AttentionConfig:
         hp = self.hp
-        return {True: rope_angles(positions, hp.rope_dim, hp.rope_freq_base_swa),
-                False: rope_angles(positions, hp.rope_dim, hp.rope_freq_base)}
+        return AttentionConfig(hp.head_count, hp.head_count_kv, hp.head_dim, self.rope_layout,
+                               window=hp.sliding_window if sliding else 0, scale=hp.attention_scale,
+                               logit_cap=hp.attn_logit_softcapping, qk_norm_eps=hp.rms_eps)
+
+    def block_key(self, layer: int) -> bool:
+        return self.sliding[layer]
+
+    def _ropes(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """cos and sin of local layers, then of global ones: they rotate with different bases."""
+        hp = self.hp
+        return (*rope_angles(positions, hp.rope_dim, hp.rope_freq_base_swa),
+                *rope_angles(positions, hp.rope_dim, hp.rope_freq_base))
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         h = embedding(tokens, self.theta["token_embd.weight"], self.config.dtype)
         # HF multiplies by sqrt(hidden) rounded to the activation dtype.
         return h * torch.tensor(self.hp.embedding_length ** 0.5, dtype=h.dtype)
 
-    def _block(self, i: int, h: torch.Tensor, attend) -> torch.Tensor:
-        t, eps = self.theta("blk", i), self.hp.rms_eps
-        a = attend(self.attention[i], rms_norm(h, t["attn_norm.weight"], eps))
-        h = h + rms_norm(a, t["post_attention_norm.weight"], eps)
-        f = self.ffn[i](rms_norm(h, t["ffn_norm.weight"], eps))
-        return h + rms_norm(f, t["post_ffw_norm.weight"], eps)
-
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        h = rms_norm(h, self.theta["output_norm.weight"], self.hp.rms_eps)
-        return softcap(linear(h, self.output).to(torch.float32), self.hp.final_logit_softcapping)
+        return softcap(self.output(self.output_norm(h)).to(torch.float32), self.hp.final_logit_softcapping)
 
     def prefill(self, tokens, seq_lens, seq_block_ids, cache_state):
         B, S = tokens.shape
         ropes = self._ropes(torch.arange(S, device=tokens.device).unsqueeze(0).expand(B, S))
-        h = self._embed(tokens)
-        for i in range(self.hp.block_count):
-            rope = ropes[self.sliding[i]]
-            h = self._block(i, h, lambda attn, x: attn.prefill(x, rope, cache_state, seq_block_ids))
+        h = self.run_blocks("prefill", self._embed(tokens), (*ropes, seq_block_ids), cache_state)
         return self._logits(self._prefill_rows(h, seq_lens))
 
     def decode(self, tokens, seq_lens, start_positions, seq_block_ids, cache_state):
         ropes = self._ropes(start_positions.unsqueeze(1))
-        h = self._embed(tokens)
-        for i in range(self.hp.block_count):
-            rope = ropes[self.sliding[i]]
-            h = self._block(i, h, lambda attn, x: attn.decode(
-                x, rope, cache_state, seq_block_ids, start_positions, seq_lens))
+        h = self.run_blocks("decode", self._embed(tokens), (*ropes, seq_block_ids, start_positions, seq_lens),
+                            cache_state)
         return self._logits(h)

@@ -7,10 +7,31 @@ from __future__ import annotations
 import torch
 
 from ..archive import Dataset
+from ..archive.tensors import Theta
 from ..formats.keys import GPT2HParams
-from ..layers import AttentionConfig, GeluMLP, PagedAttention, PagedCache
-from ..ops import embedding, layer_norm, linear
+from ..layers import AttentionConfig, GeluMLP, LayerNorm, Linear, PagedAttention, PagedCache
+from ..ops import embedding
 from .base import CausalLM, ModelConfig
+
+
+class GPT2Block(torch.nn.Module):
+    """LayerNorm, attention (no rotary) and the residual add; LayerNorm, the MLP and the residual add."""
+
+    def __init__(self, theta: Theta, hp: GPT2HParams, attention: AttentionConfig, cache: PagedCache, layer):
+        super().__init__()
+        self.attn_norm, self.ffn_norm = (LayerNorm(theta[f"{n}.weight"], theta[f"{n}.bias"], hp.norm_eps)
+                                         for n in ("attn_norm", "ffn_norm"))
+        self.attention = PagedAttention(theta, attention, cache, layer)
+        self.ffn = GeluMLP(theta)
+
+    def prefill(self, h, seq_block_ids, cache_state):
+        h = h + self.attention.prefill(self.attn_norm(h), None, cache_state, seq_block_ids)
+        return h + self.ffn(self.ffn_norm(h))
+
+    def decode(self, h, seq_block_ids, start_positions, seq_lens, cache_state):
+        h = h + self.attention.decode(self.attn_norm(h), None, cache_state, seq_block_ids, start_positions, seq_lens)
+        return h + self.ffn(self.ffn_norm(h))
+
 
 class GPT2(CausalLM):
     def __init__(self, dataset: Dataset, config: ModelConfig):
@@ -27,38 +48,30 @@ class GPT2(CausalLM):
             expected |= {f"blk.{i}.{n}.bias": s[:1] for n, s in block.items()}
         self._require_tensors(dataset.path, expected)
         self.cache = PagedCache(hp.block_count, hp.head_count, hp.head_dim, config.block_seq_stride)
-        attn = AttentionConfig(hp.head_count, hp.head_count, hp.head_dim, rope_layout="half")
-        self.attention = torch.nn.ModuleList(
-            PagedAttention(self.theta("blk", i), attn, self.cache, i) for i in range(hp.block_count))
-        self.ffn = torch.nn.ModuleList(GeluMLP(self.theta("blk", i)) for i in range(hp.block_count))
-        self.output = self._output_weight()  # (context_length: the learned position table ends there)
+        self._build_blocks()
+        self.output_norm = LayerNorm(self.theta["output_norm.weight"], self.theta["output_norm.bias"], hp.norm_eps)
+        self.output = Linear(self._output_weight())  # (context_length: the learned position table ends there)
+
+    def make_block(self, theta: Theta, index: int, layer=None) -> GPT2Block:
+        hp = self.hp
+        attention = AttentionConfig(hp.head_count, hp.head_count, hp.head_dim, rope_layout="half")
+        return GPT2Block(theta, hp, attention, self.cache, index if layer is None else layer)
 
     def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         dtype = self.config.dtype
         return (embedding(tokens, self.theta["token_embd.weight"], dtype)
                 + embedding(positions, self.theta["position_embd.weight"], dtype))
 
-    def _norm(self, h: torch.Tensor, t, name: str) -> torch.Tensor:
-        return layer_norm(h, t[f"{name}.weight"], t[f"{name}.bias"], self.hp.norm_eps)
-
-    def _block(self, i: int, h: torch.Tensor, attend) -> torch.Tensor:
-        t = self.theta("blk", i)
-        h = h + attend(self.attention[i], self._norm(h, t, "attn_norm"))
-        return h + self.ffn[i](self._norm(h, t, "ffn_norm"))
-
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return linear(self._norm(h, self.theta, "output_norm"), self.output).to(torch.float32)
+        return self.output(self.output_norm(h)).to(torch.float32)
 
     def prefill(self, tokens, seq_lens, seq_block_ids, cache_state):
         B, S = tokens.shape
         h = self._embed(tokens, torch.arange(S, device=tokens.device).unsqueeze(0).expand(B, S))
-        for i in range(self.hp.block_count):
-            h = self._block(i, h, lambda attn, x: attn.prefill(x, None, cache_state, seq_block_ids))
+        h = self.run_blocks("prefill", h, (seq_block_ids,), cache_state)
         return self._logits(self._prefill_rows(h, seq_lens))
 
     def decode(self, tokens, seq_lens, start_positions, seq_block_ids, cache_state):
         h = self._embed(tokens, start_positions.unsqueeze(1))
-        for i in range(self.hp.block_count):
-            h = self._block(i, h, lambda attn, x: attn.decode(
-                x, None, cache_state, seq_block_ids, start_positions, seq_lens))
+        h = self.run_blocks("decode", h, (seq_block_ids, start_positions, seq_lens), cache_state)
         return self._logits(h)

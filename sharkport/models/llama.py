@@ -15,9 +15,31 @@ import torch
 
 from ..archive import Dataset, Theta
 from ..formats.keys import LlamaHParams
-from ..layers import AttentionConfig, MixtureOfExperts, PagedAttention, PagedCache, SwiGLU
-from ..ops import embedding, linear, normed, rope_angles
+from ..layers import AttentionConfig, Linear, MixtureOfExperts, PagedAttention, PagedCache, RMSNorm, SwiGLU
+from ..ops import embedding, rope_angles
 from .base import CausalLM, ModelConfig
+
+
+class LlamaBlock(torch.nn.Module):
+    """RMSNorm, attention and the residual add; RMSNorm, the feed-forward and the residual add."""
+
+    def __init__(self, theta: Theta, hp: LlamaHParams, attention: AttentionConfig, cache: PagedCache,
+                 layer: int | torch.Tensor):
+        super().__init__()
+        self.attn_norm = RMSNorm(theta["attn_norm.weight"], hp.rms_eps)
+        self.attention = PagedAttention(theta, attention, cache, layer)
+        self.ffn_norm = RMSNorm(theta["ffn_norm.weight"], hp.rms_eps)
+        self.ffn = (MixtureOfExperts(theta, hp.expert_count, hp.expert_used_count) if hp.expert_count
+                    else SwiGLU(theta))
+
+    def prefill(self, h, cos, sin, seq_block_ids, cache_state):
+        h = h + self.attention.prefill(self.attn_norm(h), (cos, sin), cache_state, seq_block_ids)
+        return h + self.ffn(self.ffn_norm(h))
+
+    def decode(self, h, cos, sin, seq_block_ids, start_positions, seq_lens, cache_state):
+        h = h + self.attention.decode(self.attn_norm(h), (cos, sin), cache_state, seq_block_ids, start_positions,
+                                      seq_lens)
+        return h + self.ffn(self.ffn_norm(h))
 
 
 class Llama(CausalLM):
@@ -29,7 +51,10 @@ class Llama(CausalLM):
         self.cache = PagedCache(hp.block_count, hp.head_count_kv, hp.head_dim, config.block_seq_stride)
         self.attention_config = AttentionConfig(hp.head_count, hp.head_count_kv, hp.head_dim,
                                                 dataset.rope_layout, window=hp.sliding_window)
-        self.output = self._output_weight()
+        self._build_blocks()
+        # the final norm and the output product as one head (export may fuse them: sharkport.export.kernels)
+        self.head = torch.nn.Sequential(RMSNorm(self.theta["output_norm.weight"], hp.rms_eps),
+                                        Linear(self._output_weight()))
 
     def _check_tensors(self, dataset: Dataset) -> None:
         hp = self.hp
@@ -47,52 +72,22 @@ class Llama(CausalLM):
             expected |= self._present({f"blk.{i}.{n}.bias": s for n, s in biases.items()})
         self._require_tensors(dataset.path, expected)
 
+    def make_block(self, theta: Theta, index: int, layer=None) -> LlamaBlock:
+        return LlamaBlock(theta, self.hp, self.attention_config, self.cache, index if layer is None else layer)
+
     def _rope(self, positions: torch.Tensor):
         return rope_angles(positions, self.hp.rope_dim, self.hp.rope_freq_base)
-
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return linear(normed(h, self.theta["output_norm.weight"], self.hp.rms_eps), self.output).to(torch.float32)
-
-    def _block(self, t: Theta, layer, h: torch.Tensor, attend) -> torch.Tensor:
-        """One block over weights `t` (blk.{i}.*), its K/V in cache layer `layer` (see run_blocks).
-        `attend(attention, x, residual)` runs the attention on x and adds the residual. The norms
-        go into the products after them and the residual adds into the products before them
-        (ops.normed, linear's residual): decode's matvec kernels take both, and the attention and
-        FFN blocks (kernels.attention_block, kernels.ffn_block) make a layer two dispatches, or
-        one (kernels.layer_block: see _decode_block)."""
-        hp = self.hp
-        attention = PagedAttention(t, self.attention_config, self.cache, layer)
-        ffn = MixtureOfExperts(t, hp.expert_count, hp.expert_used_count) if hp.expert_count else SwiGLU(t)
-        h = attend(attention, normed(h, t["attn_norm.weight"], hp.rms_eps), h)
-        return ffn(normed(h, t["ffn_norm.weight"], hp.rms_eps), h)
-
-    def _prefill_block(self, t, layer, h, cos, sin, seq_block_ids, cache_state):
-        return self._block(t, layer, h, lambda attn, x, residual: attn.prefill(
-            x, (cos, sin), cache_state, seq_block_ids, residual))
-
-    def _decode_block(self, t, layer, h, cos, sin, seq_block_ids, start_positions, seq_lens, cache_state):
-        hp = self.hp
-        if not hp.expert_count:  # the whole layer in one dispatch, where the kernels apply
-            attention = PagedAttention(t, self.attention_config, self.cache, layer)
-            y = attention.decode_layer(normed(h, t["attn_norm.weight"], hp.rms_eps), (cos, sin), cache_state,
-                                       seq_block_ids, start_positions, seq_lens, h, (t["ffn_norm.weight"], hp.rms_eps),
-                                       t["ffn_gate.weight"], t["ffn_up.weight"], t["ffn_down.weight"])
-            if y is not None:
-                return y
-        return self._block(t, layer, h, lambda attn, x, residual: attn.decode(
-            x, (cos, sin), cache_state, seq_block_ids, start_positions, seq_lens, residual))
 
     def prefill(self, tokens, seq_lens, seq_block_ids, cache_state):
         B, S = tokens.shape
         positions = torch.arange(S, device=tokens.device).unsqueeze(0).expand(B, S)
         cos, sin = self._rope(positions)
         h = embedding(tokens, self.theta["token_embd.weight"], self.config.dtype)
-        h = self.run_blocks(self._prefill_block, h, (cos, sin, seq_block_ids), cache_state)
-        return self._logits(self._prefill_rows(h, seq_lens))
+        h = self.run_blocks("prefill", h, (cos, sin, seq_block_ids), cache_state)
+        return self.head(self._prefill_rows(h, seq_lens)).to(torch.float32)
 
     def decode(self, tokens, seq_lens, start_positions, seq_block_ids, cache_state):
         cos, sin = self._rope(start_positions.unsqueeze(1))
         h = embedding(tokens, self.theta["token_embd.weight"], self.config.dtype)
-        h = self.run_blocks(self._decode_block, h, (cos, sin, seq_block_ids, start_positions, seq_lens),
-                            cache_state)
-        return self._logits(h)
+        h = self.run_blocks("decode", h, (cos, sin, seq_block_ids, start_positions, seq_lens), cache_state)
+        return self.head(h).to(torch.float32)

@@ -4,11 +4,10 @@ H heads, Hkv kv heads, D head dim, V vocab. They trace under torch.export as wri
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from .. import kernels
 from ..archive.tensors import QuantizedTensor, Weight
 
 
@@ -22,90 +21,31 @@ def dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:
     return cast(w.dequant() if isinstance(w, QuantizedTensor) else w, dtype)
 
 
-@dataclass(frozen=True)
-class Normed:
-    """rms_norm(x, w, eps), not yet computed (see `normed`)."""
-
-    x: torch.Tensor
-    w: torch.Tensor
-    eps: float
-
-    @property
-    def shape(self):
-        return self.x.shape
-
-    def value(self) -> torch.Tensor:
-        return rms_norm(self.x, self.w, self.eps)
-
-
-def normed(x: torch.Tensor, w: torch.Tensor, eps: float) -> Normed:
-    """rms_norm(x, w, eps) as the input of `linear`, `linear3` or `silu_gate`: where a matvec
-    kernel applies (decode), the kernel normalizes x itself, and the norm takes no dispatch of
-    its own; elsewhere the product computes rms_norm first."""
-    return Normed(x, w, eps)
-
-
-def materialized(x: torch.Tensor | Normed) -> torch.Tensor:
-    """x as a tensor: a Normed one computed (for layers that use their input more than once)."""
-    return x.value() if isinstance(x, Normed) else x
-
-
-def _by_kernel(product, x: torch.Tensor | Normed):
-    """(product(rows, norm), x): a kernel's product of x's rows [M, K] (see kernels.matvec: None
-    where no kernel applies), a Normed x's norm (weight, eps) inside it where the kernel takes it,
-    else computed first, and then x is returned computed."""
-    if isinstance(x, Normed):
-        y = product(x.x.reshape(-1, x.shape[-1]), (x.w, x.eps))
-        if y is not None:
-            return y, x
-        x = x.value()
-    return product(x.reshape(-1, x.shape[-1]), None), x
-
-
-def linear(x: torch.Tensor | Normed, w: Weight, bias: torch.Tensor | None = None,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] @ w[out, in].T (+ bias) (+ residual [..., out]) → [..., out]. The one place that
-    dispatches on weight type.
+def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ w[out, in].T (+ bias) → [..., out]. The one place that dispatches on weight
+    type.
 
     Leading dims are flattened so the product is a 2-D mm: traced as a 3-D matmul it becomes a
-    batch matmul over a broadcast copy of the weight, 7x slower in IREE (64 tokens through
-    SmolLM2's 49152x576 output: 11.8 s vs 1.7 s). While exporting with matvec kernels, products
-    over a few static rows (decode) read quantized and float16 weights as stored (sharkport.kernels),
-    normalizing a `normed` x and adding the residual (where no bias comes between) in the same
-    dispatch."""
-    added = residual if bias is None else None  # by the kernel
-    y, x = _by_kernel(lambda rows, norm: kernels.matvec(
-        rows, w, norm, None if added is None else added.reshape(rows.shape[0], -1)), x)
-    if y is None:
-        y, added = torch.mm(x.reshape(-1, x.shape[-1]), dense(w, x.dtype).transpose(0, 1)), None
+    batch matmul over a broadcast copy of the weight, which IREE runs several times slower
+    (docs/performance.md)."""
+    y = torch.mm(x.reshape(-1, x.shape[-1]), dense(w, x.dtype).transpose(0, 1))
     y = y.reshape(*x.shape[:-1], y.shape[-1])
-    y = y if bias is None else y + cast(bias, y.dtype)
-    return y if residual is None or added is not None else residual + y
+    return y if bias is None else y + cast(bias, y.dtype)
 
 
-def linear3(x: torch.Tensor | Normed, w0: Weight, w1: Weight, w2: Weight) -> tuple[torch.Tensor, ...]:
-    """(linear(x, w0), linear(x, w1), linear(x, w2)): three products of one x (attention's q, k,
-    v), in one kernel dispatch where the matvec kernels apply (sharkport.kernels)."""
-    ys, x = _by_kernel(lambda rows, norm: kernels.matvec_qkv(rows, w0, w1, w2, norm), x)
-    if ys is None:
-        return linear(x, w0), linear(x, w1), linear(x, w2)
-    return tuple(y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys)
+def silu_gate(x: torch.Tensor, gate: Callable[[torch.Tensor], torch.Tensor],
+              up: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """silu(gate(x)) * up(x), `gate` and `up` being x's two products (llama's SwiGLU before its
+    down projection). Over a traced dynamic number of rows (prefill), silu and the multiply are a
+    dispatch region of their own (regions)."""
+    rows = x.reshape(-1, x.shape[-1])
+    g, u = gate(rows), up(rows)
+    if isinstance(rows.shape[0], torch.SymInt):
+        from .regions import silu_mul  # loads turbine: only while tracing
 
-
-def silu_gate(x: torch.Tensor | Normed, gate: Weight, up: Weight) -> torch.Tensor:
-    """silu(linear(x, gate)) * linear(x, up) (llama's SwiGLU before its down projection), in one
-    kernel dispatch where the matvec kernels apply (sharkport.kernels); over a traced dynamic
-    number of rows (prefill), silu and the multiply are a dispatch region of their own (regions)."""
-    y, x = _by_kernel(lambda rows, norm: kernels.swiglu(rows, gate, up, norm), x)
-    if y is None:
-        rows = x.reshape(-1, x.shape[-1])
-        g, u = linear(rows, gate), linear(rows, up)
-        if isinstance(rows.shape[0], torch.SymInt):
-            from .regions import silu_mul  # loads turbine: only while tracing
-
-            y = silu_mul(g, u)
-        else:
-            y = torch.nn.functional.silu(g) * u
+        y = silu_mul(g, u)
+    else:
+        y = torch.nn.functional.silu(g) * u
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -122,13 +62,7 @@ def embedding(ids: torch.Tensor, w: Weight, dtype: torch.dtype) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) * w over the last dim, in float32. Decode's (see
-    kernels.decode_rows) is one dispatch region (regions), not IREE's reduction and its consumer."""
-    rows = x.reshape(-1, x.shape[-1])
-    if kernels.decode_rows(rows) and w.dtype == torch.float32:
-        from .regions import rms_norm as region
-
-        return region(rows, w, eps).view(x.shape)
+    """x * rsqrt(mean(x^2) + eps) * w over the last dim, in float32."""
     x32 = cast(x, torch.float32)
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return cast(y * cast(w, torch.float32), x.dtype)

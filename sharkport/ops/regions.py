@@ -4,14 +4,12 @@
 * `silu_mul(g, u)`: SwiGLU's silu(g) * u over a dynamic number of rows (prefill). Traced as torch
   ops, IREE fuses it with its producer's unpack and its consumer's pack (the down projection's
   packed left-hand side, in 8-row x 1-column tiles) into one dispatch that it vectorizes 8 rows
-  by 1 column with masked stores: 10% of SmolLM2's prefill of 128 tokens. In a region of its own
-  it runs along rows, and the unpacks and the pack are dispatches of their own (5% together;
-  prefill 1.075x).
+  by 1 column with masked stores, a slow loop. In a region of its own it runs along rows, and the
+  unpacks and the pack are cheaper dispatches of their own.
 * `rms_norm(x, w, eps)` over decode's few static rows: IREE makes a norm two dispatches (the sum
-  of squares, then the scaling); one region takes one (with a region for the residual add and
-  the norm after it, decode went from 12 to 9 dispatches a layer: SmolLM2 Q4_1 bs1 and bs4 about
-  4% faster). With the matvec kernels, the products after the norms normalize x themselves
-  (ops.normed), and decode's norms need no dispatch at all.
+  of squares, then the scaling); one region takes one. The export takes it with the matvec
+  kernels (export.kernels.KernelRMSNorm), where most of decode's norms go inside the products
+  after them and need no dispatch at all.
 
 `tools/profile_step.py` measures where a prefill or a decode step goes.
 """

@@ -18,15 +18,43 @@ import torch
 
 from ..errors import SharkportError
 from ..formats.keys import LlamaHParams
-from ..layers import AttentionConfig, PagedAttention, PagedCache, SwiGLU
+from ..layers import AttentionConfig, Linear, PagedAttention, PagedCache, RMSNorm, SwiGLU
 from ..models.base import CausalLM, ModelConfig
-from ..ops import embedding, linear, rms_norm, rope_angles
+from ..ops import embedding, rope_angles
 from .archive import ShardedDataset
 from .comm import all_reduce, gather, replicate
 from .sharding import bounds, check_shardable
 
 _BLOCK_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
                   "ffn_down")
+
+
+class ShardedLlamaBlock(torch.nn.Module):
+    """A llama block over the ranks: each rank's attention and feed-forward on its own weights
+    and cache, their partial sums all-reduced into the residual adds. h and every input are
+    lists of one tensor per rank."""
+
+    def __init__(self, thetas: list, hp: LlamaHParams, attention: AttentionConfig, cache: PagedCache, layer: int):
+        super().__init__()
+        self.attn_norm, self.ffn_norm = (torch.nn.ModuleList(RMSNorm(t[f"{n}.weight"], hp.rms_eps) for t in thetas)
+                                         for n in ("attn_norm", "ffn_norm"))
+        self.attention = torch.nn.ModuleList(PagedAttention(t, attention, cache, layer) for t in thetas)
+        self.ffn = torch.nn.ModuleList(SwiGLU(t) for t in thetas)
+
+    def _residual(self, h: list, attention_parts: list) -> list:
+        h = [a + b for a, b in zip(h, all_reduce(attention_parts))]
+        parts = [ffn(norm(x)) for ffn, norm, x in zip(self.ffn, self.ffn_norm, h)]
+        return [a + b for a, b in zip(h, all_reduce(parts))]
+
+    def prefill(self, h, ropes, seq_block_ids, cache_state):
+        return self._residual(h, [attention.prefill(norm(x), rope, cache, ids) for attention, norm, x, rope, cache, ids
+                                  in zip(self.attention, self.attn_norm, h, ropes, cache_state, seq_block_ids)])
+
+    def decode(self, h, ropes, seq_block_ids, start_positions, seq_lens, cache_state):
+        return self._residual(h, [attention.decode(norm(x), rope, cache, ids, starts, lens)
+                                  for attention, norm, x, rope, cache, ids, starts, lens
+                                  in zip(self.attention, self.attn_norm, h, ropes, cache_state, seq_block_ids,
+                                         start_positions, seq_lens)])
 
 
 class ShardedLlama(CausalLM):
@@ -43,13 +71,13 @@ class ShardedLlama(CausalLM):
         self.cache = PagedCache(hp.block_count, hp.head_count_kv // n, hp.head_dim, config.block_seq_stride)
         attn = AttentionConfig(hp.head_count // n, hp.head_count_kv // n, hp.head_dim, sharded.rope_layout,
                                window=hp.sliding_window)
-        self.attention = torch.nn.ModuleList(torch.nn.ModuleList(
-            PagedAttention(t("blk", i), attn, self.cache, i) for i in range(hp.block_count)) for t in self.ranks)
-        self.ffn = torch.nn.ModuleList(torch.nn.ModuleList(
-            SwiGLU(t("blk", i)) for i in range(hp.block_count)) for t in self.ranks)
+        self.blocks = torch.nn.ModuleList(ShardedLlamaBlock([t("blk", i) for t in self.ranks], hp, attn, self.cache, i)
+                                          for i in range(hp.block_count))
         self.vocab_rows = bounds(hp.vocab_size, n)
+        self.output_norm = torch.nn.ModuleList(RMSNorm(t["output_norm.weight"], hp.rms_eps) for t in self.ranks)
         # Tied embeddings: each rank's output rows are its embedding rows (the same parameter).
-        self.outputs = [t["output.weight"] if "output.weight" in t else t["token_embd.weight"] for t in self.ranks]
+        self.output = torch.nn.ModuleList(
+            Linear(t["output.weight"] if "output.weight" in t else t["token_embd.weight"]) for t in self.ranks)
 
     def _check_tensors(self, sharded: ShardedDataset) -> None:
         names = ["token_embd.weight", "output_norm.weight"] + [
@@ -64,7 +92,6 @@ class ShardedLlama(CausalLM):
         """One zeroed cache_state [pages, page_elems / N] per device."""
         return [torch.zeros(pages, self.cache.page_elems, dtype=self.config.kv_cache_dtype) for _ in range(self.n)]
 
-    # -- pieces, each on one rank ------------------------------------------------------------------
     def _embed(self, r: int, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, S] → rank r's part of the embeddings [B, S, E]: rows it holds, zeros elsewhere."""
         lo, hi = self.vocab_rows[r]
@@ -74,44 +101,30 @@ class ShardedLlama(CausalLM):
         e = embedding(row, self.ranks[r]["token_embd.weight"], self.config.dtype)
         return torch.where(inside.unsqueeze(-1), e, torch.zeros((), dtype=e.dtype))
 
-    def _rope(self, positions: torch.Tensor):
-        return rope_angles(positions, self.hp.rope_dim, self.hp.rope_freq_base)
+    def _ropes(self, positions: torch.Tensor) -> list:
+        """(cos, sin) on each rank."""
+        cos, sin = rope_angles(positions, self.hp.rope_dim, self.hp.rope_freq_base)
+        return list(zip(replicate(cos, self.n), replicate(sin, self.n)))
 
-    def _norm(self, r: int, h: torch.Tensor, name: str) -> torch.Tensor:
-        return rms_norm(h, self.ranks[r][name], self.hp.rms_eps)
-
-    def _forward(self, tokens: list[torch.Tensor], ropes: list, attend,
+    def _forward(self, kind: str, tokens: torch.Tensor, inputs: tuple, cache_state,
                  seq_lens: torch.Tensor | None = None) -> torch.Tensor:
-        """The layers over replicated inputs; attend(rank, attention layer, x, rope) → partial sum.
-        With `seq_lens` (prefill), the logits of the rows `_prefill_rows` keeps."""
+        """The blocks' `kind` over replicated inputs. With `seq_lens` (prefill), the logits of the
+        rows `_prefill_rows` keeps."""
         n = self.n
-        h = all_reduce([self._embed(r, tokens[r]) for r in range(n)])
-        for i in range(self.hp.block_count):
-            blk = f"blk.{i}."
-            parts = [attend(r, self.attention[r][i], self._norm(r, h[r], blk + "attn_norm.weight"), ropes[r])
-                     for r in range(n)]
-            h = [a + b for a, b in zip(h, all_reduce(parts))]
-            parts = [self.ffn[r][i](self._norm(r, h[r], blk + "ffn_norm.weight")) for r in range(n)]
-            h = [a + b for a, b in zip(h, all_reduce(parts))]
+        tokens = replicate(tokens, n)
+        h = self.run_blocks(kind, all_reduce([self._embed(r, tokens[r]) for r in range(n)]), inputs, cache_state)
         if seq_lens is not None and self.config.prefill_final_logits:
             h = [self._prefill_rows(x, lens) for x, lens in zip(h, replicate(seq_lens, n))]
-        logits = [linear(self._norm(r, h[r], "output_norm.weight"), self.outputs[r]).to(torch.float32)
-                  for r in range(n)]
+        logits = [output(norm(x)).to(torch.float32) for output, norm, x in zip(self.output, self.output_norm, h)]
         return gather(logits, dim=-1)
 
     # -- the ABI -----------------------------------------------------------------------------------
     def prefill(self, tokens, seq_lens, seq_block_ids, cache_state):
         B, S = tokens.shape
-        positions = torch.arange(S, device=tokens.device).unsqueeze(0).expand(B, S)
-        cos, sin = self._rope(positions)
-        ropes = list(zip(replicate(cos, self.n), replicate(sin, self.n)))
-        ids = replicate(seq_block_ids, self.n)
-        return self._forward(replicate(tokens, self.n), ropes, lambda r, attn, x, rope: attn.prefill(
-            x, rope, cache_state[r], ids[r]), seq_lens)
+        ropes = self._ropes(torch.arange(S, device=tokens.device).unsqueeze(0).expand(B, S))
+        return self._forward("prefill", tokens, (ropes, replicate(seq_block_ids, self.n)), cache_state, seq_lens)
 
     def decode(self, tokens, seq_lens, start_positions, seq_block_ids, cache_state):
-        cos, sin = self._rope(start_positions.unsqueeze(1))
-        ropes = list(zip(replicate(cos, self.n), replicate(sin, self.n)))
-        ids, lens, starts = (replicate(t, self.n) for t in (seq_block_ids, seq_lens, start_positions))
-        return self._forward(replicate(tokens, self.n), ropes, lambda r, attn, x, rope: attn.decode(
-            x, rope, cache_state[r], ids[r], starts[r], lens[r]))
+        ropes = self._ropes(start_positions.unsqueeze(1))
+        ids, starts, lens = (replicate(t, self.n) for t in (seq_block_ids, start_positions, seq_lens))
+        return self._forward("decode", tokens, (ropes, ids, starts, lens), cache_state)

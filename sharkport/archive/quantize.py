@@ -17,10 +17,10 @@ import numpy as np
 import torch
 from gguf import quants
 
-from ..archive import Dataset, QuantizedTensor, Theta, Weight
-from ..archive.tensors import weight_from_raw
 from ..errors import SharkportError
-from . import BLOCK_TYPES, PLAIN_TYPES
+from ..quant import BLOCK_TYPES, PLAIN_TYPES
+from . import Dataset, QuantizedTensor, Theta, Weight
+from .tensors import weight_from_raw
 
 # What gguf.quants can write: the 32-value block types and the plain float types.
 QUANTIZE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "F16", "BF16", "F32")

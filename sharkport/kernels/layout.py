@@ -1,0 +1,102 @@
+"""What the kernels take and how they share out work: the limits matvec.c is built for, the
+planes each weight type passes, the row interleaving of quantized weights, and the workgroups a
+dispatch is split into (one for each CPU the exporting process may run on)."""
+
+from __future__ import annotations
+
+import os
+
+MAX_ROWS = 8  # products over more rows of x keep the traced form (prefill, large batches)
+MAX_K = 32 * 512  # longest rows of w: a workgroup keeps x quantized (MAX_K bytes a row) on its stack
+# products that RMS-normalize x first (matvec.c's XN_FLOATS): each workgroup keeps the normalized
+# x [M, K] on its stack, M * K of at most MAX_NORMED values (32 KiB); larger x is normalized by a
+# dispatch of its own (SmolLM2: M up to 8 of K = 576; a 4096-wide model's decode at batch 1 and 2)
+MAX_NORMED = 8192
+# decode attention: query heads per kv head times head_dim, and positions per page, it takes
+MAX_GD, MAX_STRIDE = 2048, 256
+# outputs a chunk of a block's product takes (the block kernels' `chunk` argument): a multiple
+# of the interleaved rows' 8
+BLOCK_CHUNK_ROWS = 32
+# prefill attention: the longest head, and query heads per kv head times head_dim, it takes
+PREFILL_MAX_D, PREFILL_MAX_GD = 256, 1024  # matvec.c's PA_MAX_D, PA_MAX_GD
+# Outputs per workgroup for a product with N outputs: min(4096, 32 * ceil(N / (32 * W))), a
+# multiple of 32 aiming at W = workgroups(), one for each CPU: fewer, larger workgroups quantize
+# (and normalize) x fewer times, as each does all of it (SmolLM2 on 2 CPUs: 96 rows for 192
+# outputs, 4096 for the 49152 of the output projection, 12 workgroups).
+ROW_QUANTUM, WORKGROUPS_PER_CPU, MAX_ROWS_PER_WORKGROUP = 32, 1, 4096
+# plane order of each kernel's arguments after x (sharkport.quant's plane names). Q8_0X8, Q4_0X8
+# and Q4_1X8 are Q8_0, Q4_0 and Q4_1 with their rows interleaved eight at a time (interleave_rows).
+PLANES = {"Q8_0": ("qs", "d"), "Q4_0": ("qs", "d"), "Q4_1": ("qs", "d", "m"), "F16": ("w",),
+          "Q8_0X8": ("qs", "d"), "Q4_0X8": ("qs", "d"), "Q4_1X8": ("qs", "d", "m")}
+INTERLEAVED = {"Q8_0": "Q8_0X8", "Q4_0": "Q4_0X8", "Q4_1": "Q4_1X8"}  # a weight type -> its kernel's
+STORED = {x8: kind for kind, x8 in INTERLEAVED.items()}  # and back
+# elements of each buffer the C function receives (x, the planes, y), as (factor, divisor) of
+# products of M, N and K: x is M*K floats, Q8_0's qs N*K bytes, a block scale plane N*K/32, ...
+SIZES = {"Q8_0": ("mk", ("nk", 1), ("nk", 32), "mn"), "Q4_0": ("mk", ("nk", 2), ("nk", 32), "mn"),
+         "Q4_1": ("mk", ("nk", 2), ("nk", 32), ("nk", 32), "mn"), "F16": ("mk", ("nk", 1), "mn")}
+SIZES.update({x8: SIZES[kind] for kind, x8 in INTERLEAVED.items()})
+
+
+def interleave_rows(planes):
+    """Q8_0 or Q4 planes (qs [N, B, 32 or 16], then d and m [N, B]; N a multiple of 8) with their
+    rows interleaved eight at a time, as matvec.c's q8_x8 and q4_x8 read them: per group of eight
+    rows and block b, 4 bytes of each row's block at a time (chunk j: bytes 4j .. 4j + 3 of rows
+    0..7), then the eight rows' scales (offsets) of block b together. The planes keep their
+    shapes. Under tracing this is a transpose of a parameter, which IREE hoists into the module's
+    initializer: it runs once, as the module loads, into a copy that decode's products read (one
+    for all functions)."""
+    qs, *scales = planes
+    N, B, size = qs.shape
+    return [qs.reshape(N // 8, 8, B, size // 4, 4).permute(0, 2, 3, 1, 4).reshape(N, B, size),
+            *(p.reshape(N // 8, 8, B).permute(0, 2, 1).reshape(N, B) for p in scales)]
+
+
+def deinterleave_rows(planes):
+    """The inverse of interleave_rows."""
+    qs, *scales = planes
+    N, B, size = qs.shape
+    return [qs.reshape(N // 8, B, size // 4, 8, 4).permute(0, 3, 1, 2, 4).reshape(N, B, size),
+            *(p.reshape(N // 8, B, 8).permute(0, 2, 1).reshape(N, B) for p in scales)]
+
+
+def quantized_x(x):
+    """x [..., K] as the kernels multiply it with quantized weights: each block of 32 values
+    quantized as gguf's Q8_0 reference quantizer does (scale max|x| / 127, values rounded half away
+    from zero, the scale stored as float16) and dequantized to float32."""
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    v = blocks * (1 / scale).masked_fill(scale == 0, 0)
+    a = v.abs()
+    whole = a.floor()
+    q = (whole + (2 * (a - whole)).floor()).copysign(v)
+    return (q * scale.half().float()).reshape(x.shape)
+
+
+def kv_heads_per_workgroup(batch: int, kv_heads: int, gd: int) -> int:
+    """How many of a sequence's kv heads each decode attention workgroup takes (`gd`: query heads
+    per kv head times head_dim): the most, a divisor of kv_heads, that still leaves a workgroup
+    for each CPU this process may run on (as many as the runner's IREE workers). A workgroup with
+    all of them reads each page's K and V whole, in address order, and prefetches the next page
+    whole, where one (sequence, kv head) a workgroup reads a third of each row (SmolLM2: 3 kv
+    heads) and its neighbours the rest, fetching lines the others also fetch
+    (tools/attention_harness.c times the two). With fewer sequences than CPUs, more workgroups
+    share each sequence (batch 1: one per kv head)."""
+    fits = [w for w in range(1, kv_heads + 1) if kv_heads % w == 0 and w * gd <= MAX_GD]
+    return max([w for w in fits if batch * (kv_heads // w) >= cpus()], default=1)
+
+
+def block_counters(phases: int) -> int:
+    """int32 phase counters of a block dispatch of `phases` phases (matvec.c's BLOCK_COUNTERS(P,
+    W), each on a line of 16): for each phase a line for each workgroup's span and one of the items
+    finished, and one line of the workgroups that left."""
+    return (phases * (workgroups() + 1) + 1) * 16
+
+
+def workgroups() -> int:
+    """How many workgroups a product's outputs aim at (see ROW_QUANTUM)."""
+    return WORKGROUPS_PER_CPU * cpus()
+
+
+def cpus() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
