@@ -30,7 +30,7 @@ COMMANDS = {
     "import-hf": ("sharkport.tools.import_hf", "import a Hugging Face checkpoint folder"),
     "to-gguf": ("sharkport.tools.to_gguf", "write an archive or a Hugging Face checkpoint as a GGUF file"),
     "dump-inputs": ("sharkport.tools.dump_inputs", "write a prompt's prefill/decode inputs for iree-run-module"),
-    "datasets": ("sharkport.datasets", "list or fetch the registered models (--hf-dataset NAME)"),
+    "datasets": ("sharkport.datasets.__main__", "list or fetch the registered models (--hf-dataset NAME)"),
 }
 
 

@@ -192,5 +192,5 @@ def test_wheel_ships_the_registry_kernels_and_console_script(tmp_path):
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
         entry_points = next(z.read(n).decode() for n in names if n.endswith("entry_points.txt"))
-    assert "sharkport/datasets.yaml" in names and "sharkport/kernels/matvec.c" in names
+    assert "sharkport/datasets/datasets.yaml" in names and "sharkport/kernels/matvec.c" in names
     assert "sharkport = sharkport.cli:main" in entry_points

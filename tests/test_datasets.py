@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from sharkport import datasets
+from sharkport.datasets import __main__ as datasets_cli
 
 REPO_GGUF = "tiny-org/tiny-llama-gguf"
 REPO_HF = "tiny-org/tiny-llama"
@@ -211,7 +212,7 @@ def test_dump_gguf_of_a_safetensors_dataset_says_what_to_use(hub):
 def test_list_shows_every_dataset(hub, capsys, monkeypatch):
     _, _, registry = hub
     monkeypatch.setenv("SHARKPORT_DATASETS", str(registry))
-    assert datasets.main(["list"]) == 0
+    assert datasets_cli.main(["list"]) == 0
     out = capsys.readouterr().out
     assert "tiny-gguf" in out and "tiny-gguf-alias" in out and REPO_HF in out and REVISION in out
 

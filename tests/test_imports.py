@@ -31,7 +31,7 @@ STAGES = [
     ("compile", ["sharkport.compile"]),
     ("runtime", ["sharkport.runtime", "sharkport.quality"]),
     ("tools", ["sharkport.tools", "sharkport.api", "sharkport.run", "sharkport.cli", "sharkport.__main__",
-               "sharkport.export.__main__", "sharkport"]),
+               "sharkport.export.__main__", "sharkport.datasets.__main__", "sharkport"]),
 ]
 
 

@@ -8,12 +8,11 @@ Every tool that takes a model also takes `--hf-dataset NAME` (see sharkport/tool
 Downloads go through `hf_hub_download` (progress bars, resumable, `HF_HOME` / `HF_HUB_CACHE`,
 `HF_ENDPOINT`); once fetched, `HF_HUB_OFFLINE=1` serves everything from the cache. The
 registry file is `datasets.yaml` in this package (installed with it), or the file named by
-`SHARKPORT_DATASETS`.
+`SHARKPORT_DATASETS`. The command line is `__main__.py`.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import re
@@ -22,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import SharkportError, cli_main, prog
+from ..errors import SharkportError
 
 __all__ = ["FILE_KINDS", "RegisteredDataset", "Fetched", "dataset_archive", "dataset_model_path",
            "fetch", "get_dataset", "load_registry", "registry_path"]
@@ -177,58 +176,8 @@ def dataset_archive(name: str, progress: bool = True) -> Path:
     key = hashlib.sha256(str(model).encode()).hexdigest()[:12]
     irpa = cache_dir() / f"{fetched.dataset.name}-{key}.irpa"
     if not irpa.is_file():
-        from .archive import import_gguf, import_hf  # an HF import needs torch; reuse does not
+        from ..archive import import_gguf, import_hf  # an HF import needs torch; reuse does not
 
         print(f"importing {fetched.dataset.name} into {irpa}", file=sys.stderr)
         (import_hf if model.is_dir() else import_gguf)(model, irpa, progress=progress)
     return irpa
-
-
-# ---------------------------------------------------------------------------------------------
-# python -m sharkport.datasets
-# ---------------------------------------------------------------------------------------------
-
-def _list(registry: dict[str, RegisteredDataset]) -> None:
-    for ds in sorted({d.name: d for d in registry.values()}.values(), key=lambda d: d.name):
-        revision = ds.revision if ds.pinned else f"{ds.revision} (not pinned)"
-        print(ds.name)
-        if ds.aliases:
-            print(f"  aliases:  {', '.join(ds.aliases)}")
-        print(f"  repo:     {ds.repo_id} @ {revision}")
-        for kind in FILE_KINDS:
-            if kind in ds.files:
-                print(f"  {kind + ':':<9} {', '.join(ds.files[kind])}")
-        if ds.description:
-            print(f"  about:    {ds.description}")
-
-
-@cli_main
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog=prog("sharkport.datasets"),
-        description=f"Registered models (from {registry_path()}, or SHARKPORT_DATASETS). Files are "
-                    "fetched with huggingface_hub into the Hugging Face cache (HF_HOME / HF_HUB_CACHE); "
-                    "HF_HUB_OFFLINE=1 uses only the cache.")
-    parser.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="print every registered dataset with its repo, revision and files")
-    fetch_p = sub.add_parser("fetch", help="download a dataset's files (or find them in the cache)")
-    fetch_p.add_argument("name", help="a dataset name or alias from `list`")
-    fetch_p.add_argument("--local-dir", type=Path, metavar="D",
-                         help="put the files in D instead of the Hugging Face cache")
-    fetch_p.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
-    args = parser.parse_args(argv)
-
-    if args.command == "list":
-        _list(load_registry())
-        return 0
-    fetched = fetch(args.name, args.local_dir)
-    for kind, paths in fetched.paths.items():
-        for p in paths:
-            print(f"{kind}: {p}")
-    print(f"model: {fetched.model_path}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
