@@ -25,6 +25,7 @@ from sharkport.archive.tensors import QuantizedTensor, weight_from_raw
 from sharkport.export.kernels import KernelLinear, KernelRMSNorm, fused_product, use_kernels
 from sharkport.layers import Linear, RMSNorm
 from sharkport.archive.quantize import quantize_array
+from sharkport.quant import BLOCK_TYPES
 from run_cli import run
 from tiny_models import TINY_EXPORT, decode_ms, exact_cache
 
@@ -79,15 +80,16 @@ def _export(module, *inputs, path):
 
 
 def _compile_and_run(module, *inputs, tmp_path, kernel=None):
-    """module's forward on `inputs` through IREE with the kernels (the C function `kernel` among
-    those it calls, if given)."""
+    """module's forward on `inputs` through IREE with the kernels (the C function `kernel`, or
+    each of a tuple of them, among those it calls, if given)."""
     import iree.runtime as rt
 
     from sharkport.compile import compile_mlir
 
     mlir, vmfb = tmp_path / "m.mlir", tmp_path / "m.vmfb"
     text = _export(module, *inputs, path=mlir)
-    assert kernel is None or f"@{kernel}(" in text, f"{kernel} is not called"
+    for name in (kernel,) if isinstance(kernel, str) else kernel or ():
+        assert f"@{name}(" in text, f"{name} is not called"
     compile_mlir(mlir, vmfb)
     config = rt.Config("local-task")
     ctx = rt.SystemContext(config=config)
@@ -124,6 +126,55 @@ def test_kernel_product_equals_gguf_dequantization(kind, rows, n, k, isa, two_cp
     got = _compile_and_run(_Linear(w), x, tmp_path=tmp_path)
     want = _x_seen(kind, x.numpy()).astype(np.float64) @ dense.T
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def _random_blocks(kind: str, n: int, k: int, rng) -> np.ndarray:
+    """n rows of k values of `kind` as ggml stores them: random bytes (every bit pattern of a
+    block's values and scales is valid), with each block's float16 scales (d, and Q4_K's dmin)
+    random in sign and spread over five decades, so that blocks of very different size meet in a
+    row."""
+    t = BLOCK_TYPES[kind]
+    raw = rng.integers(0, 256, (n, k // t.block_size * t.type_size), dtype=np.uint8)
+    blocks = raw.reshape(-1).view(t.struct)
+    for field in ("d", "dmin"):
+        if field in blocks.dtype.names:
+            size = 10.0 ** rng.uniform(-5, 0, blocks.shape)
+            blocks[field] = (size * rng.choice([-1, 1], blocks.shape)).astype(np.float16)
+    return raw
+
+
+class _Products(torch.nn.Module):
+    """x times each of several weights through the export's kernel products, concatenated: one
+    module (one compile) for several kernels."""
+
+    def __init__(self, weights):
+        super().__init__()
+        self.parts = torch.nn.ModuleList(_Linear(w) for w in weights)
+
+    def forward(self, x):
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+ROW_KINDS = ["Q5_0", "Q4_K", "Q5_K", "Q6_K"]
+
+
+@pytest.mark.parametrize("rows, n, k", [(1, 80, 512), (8, 83, 768),
+                                        pytest.param(3, 72, 256, marks=pytest.mark.extended)])
+def test_row_kernels_equal_gguf_dequantization(rows, n, k, isa, two_cpus, tmp_path):
+    """Q5_0 and the K-quants on random blocks: one, two or three super-blocks a row, 1, 3 and 8 rows
+    of x (each row count a loop of its own). The K-quants are read a row at a time, Q5_0 too where
+    its rows are not a multiple of 8 (83), else interleaved eight at a time (80, 72)."""
+    rng = np.random.default_rng(rows)
+    raws = [_random_blocks(kind, n, k, rng) for kind in ROW_KINDS]
+    weights = [weight_from_raw(kind, (n, k), raw) for kind, raw in zip(ROW_KINDS, raws)]
+    x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
+    got = _compile_and_run(_Products(weights), x, tmp_path=tmp_path,
+                           kernel=tuple(f"sharkport_matvec_{kind.lower()}" + ("x8" if kind == "Q5_0" and n % 8 == 0
+                                                                                else "") for kind in ROW_KINDS))
+    for kind, raw, part in zip(ROW_KINDS, raws, np.split(got, len(ROW_KINDS), axis=1)):
+        dense = quants.dequantize(raw, GGMLQuantizationType[kind]).astype(np.float64)
+        want = _x_seen(kind, x.numpy()).astype(np.float64) @ dense.T
+        np.testing.assert_allclose(part, want, rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=kind)
 
 
 @pytest.mark.parametrize("mode", ["loads", "none"])
@@ -255,6 +306,50 @@ def test_products_normalize_x_and_add_the_residual(kind, form, sizes, isa, two_c
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
+class _Forms(torch.nn.Module):
+    """qkv_norm, swiglu_norm and matvec_add (see _NormResidual) of one x in one module, concatenated."""
+
+    def __init__(self, weights, g, eps):
+        super().__init__()
+        self.qkv = _NormResidual("qkv_norm", weights[:3], g, eps)
+        self.swiglu = _NormResidual("swiglu_norm", weights[3:5], g, eps)
+        self.add = _NormResidual("matvec_add", weights[5:], g, eps)
+
+    def forward(self, x, r):
+        return torch.cat([self.qkv(x), self.swiglu(x), self.add(x, r)], dim=-1)
+
+
+@pytest.mark.parametrize("kind", ROW_KINDS)
+def test_row_kernels_normalize_x_fuse_and_add_the_residual(kind, two_cpus, tmp_path):
+    """The fused forms over Q5_0 and K-quant weights: q, k, v of x normalized as transformers'
+    LlamaRMSNorm does (80, 48 and 24 rows; Q5_0 interleaved), SwiGLU's gate and up of it (83 rows;
+    a row at a time), and x times 256 rows plus a residual, on random blocks of 512 values a row."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    rng = np.random.default_rng(5)
+    k, eps, sizes = 512, 1e-5, [80, 48, 24, 83, 83, 256]
+    raws = [_random_blocks(kind, n, k, rng) for n in sizes]
+    weights = [weight_from_raw(kind, (n, k), raw) for n, raw in zip(sizes, raws)]
+    dense = [quants.dequantize(raw, GGMLQuantizationType[kind]).astype(np.float64) for raw in raws]
+    g = torch.from_numpy(rng.uniform(0.5, 1.5, k).astype(np.float32))
+    x = torch.from_numpy(rng.standard_normal((3, k)).astype(np.float32) * 3)
+    r = torch.from_numpy(rng.standard_normal((3, sizes[-1])).astype(np.float32))
+    x8 = "x8" if kind == "Q5_0" else ""  # Q5_0 matrices of whole groups of eight rows are interleaved
+    got = _compile_and_run(_Forms(weights, g, eps), x, r, tmp_path=tmp_path,
+                           kernel=(f"sharkport_matvec_qkv_norm_{kind.lower()}{x8}",
+                                   f"sharkport_matvec_swiglu_norm_{kind.lower()}",
+                                   f"sharkport_matvec_add_{kind.lower()}{x8}"))
+    reference = LlamaRMSNorm(k, eps=eps)
+    with torch.no_grad():
+        reference.weight.copy_(g)
+        normed = _x_seen(kind, reference(x).numpy()).astype(np.float64)
+    ys = [normed @ d.T for d in dense[:5]]
+    added = _x_seen(kind, x.numpy()).astype(np.float64) @ dense[5].T + r.numpy()
+    silu = ys[3] * 0.5 * (1 + np.tanh(ys[3] / 2))  # x sigmoid(x), without overflow at large |x|
+    want = np.concatenate([*ys[:3], silu * ys[4], added], axis=1)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
 def test_x_too_large_to_normalize_in_the_product_takes_a_norm_dispatch(monkeypatch, tmp_path):
     """Where x has more than kernels.MAX_NORMED values, the product cannot keep it normalized on its
     stack: the norm is a dispatch region of its own, and the product the kernel without it."""
@@ -268,13 +363,13 @@ def test_x_too_large_to_normalize_in_the_product_takes_a_norm_dispatch(monkeypat
 
 
 class _Attention(torch.nn.Module):
-    def __init__(self, cache, layer, scale, layout):
+    def __init__(self, cache, layer, scale, layout, window=0):
         super().__init__()
-        self.cache, self.layer, self.scale, self.layout = cache, layer, scale, layout
+        self.cache, self.layer, self.scale, self.layout, self.window = cache, layer, scale, layout, window
 
     def forward(self, q, k, v, cache_state, pages, starts, lens, cos, sin):
         return kernels.decode_attention(q, k, v, cache_state, self.cache, self.layer, pages, starts, lens,
-                                        (cos, sin), self.layout, self.scale)
+                                        (cos, sin), self.layout, self.scale, self.window)
 
 
 def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> torch.Tensor:
@@ -293,15 +388,18 @@ def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str)
     return torch.cat([turned, x[:, r:]], dim=1)
 
 
-@pytest.mark.parametrize("head_dim, rope_dim, layout, dtype, cpus, H", [
-    (64, 64, "interleaved", torch.float32, 1, 6),
-    (64, 64, "interleaved", torch.float32, 4, 6),
-    (40, 32, "half", torch.float32, 4, 6),
-    (64, 64, "interleaved", torch.float16, 1, 6),
-    (64, 64, "interleaved", torch.float16, 4, 8),  # 4 query heads a kv head: two pairs
-    (128, 128, "half", torch.float32, 1, 14),  # 7: three, three and one
-    (64, 64, "interleaved", torch.float16, 4, 2)])  # one: no groups
-def test_decode_attention_equals_torch_sdpa(head_dim, rope_dim, layout, dtype, cpus, H, monkeypatch, tmp_path):
+@pytest.mark.parametrize("head_dim, rope_dim, layout, dtype, cpus, H, window", [
+    (64, 64, "interleaved", torch.float32, 1, 6, 0),
+    (64, 64, "interleaved", torch.float32, 4, 6, 0),
+    (40, 32, "half", torch.float32, 4, 6, 0),
+    (64, 64, "interleaved", torch.float16, 1, 6, 0),
+    (64, 64, "interleaved", torch.float16, 4, 8, 0),  # 4 query heads a kv head: two pairs
+    (128, 128, "half", torch.float32, 1, 14, 0),  # 7: three, three and one
+    (64, 64, "interleaved", torch.float16, 4, 2, 0),  # one: no groups
+    (64, 64, "interleaved", torch.float16, 1, 6, 20),  # from positions 17 and 50: into pages 1 and 3
+    (40, 32, "half", torch.float32, 4, 6, 40)])  # all 37 positions; 70's from 30, the last of page 1
+def test_decode_attention_equals_torch_sdpa(head_dim, rope_dim, layout, dtype, cpus, H, window, monkeypatch,
+                                            tmp_path):
     """The attention kernel (layer 1 of 2, 16 positions a page, H query heads on 2 kv heads,
     sequences of 37 and 70 positions on shuffled pages) rotates q and the new k, writes the new k
     and v into their page's slot in place (and nothing else), and equals torch's
@@ -313,7 +411,8 @@ def test_decode_attention_equals_torch_sdpa(head_dim, rope_dim, layout, dtype, c
     whole next page); for 4, a (sequence, kv head). With AVX-512 and head_dim a multiple of 64,
     the query heads of a kv head go two or three at a time (group_scores, group_values): 3 and 3
     for 6 query heads, 2 and 2 for 8, 3, 3 and 1 for 14; 2 query heads take the one-head path.
-    The op run eagerly computes the same."""
+    With a sliding window, only the last `window` positions are seen. The op run eagerly computes
+    the same."""
     import iree.runtime as rt
     from iree.turbine import aot
 
@@ -336,7 +435,7 @@ def test_decode_attention_equals_torch_sdpa(head_dim, rope_dim, layout, dtype, c
     monkeypatch.setattr(kernels.layout, "cpus", lambda: cpus)
     # the kernel updates the cache in place: functionalized in the form turbine imports, as the exporter does
     with torch._export.config.patch(enable_auto_functionalized_v2_for_export=False):
-        exported = aot.export(_Attention(cache, 1, scale, layout), strict_export=False,
+        exported = aot.export(_Attention(cache, 1, scale, layout, window), strict_export=False,
                               args=(q, k, v, state.clone(), pages, starts, seq_lens, cos, sin))
     mlir, vmfb = tmp_path / "m.mlir", tmp_path / "m.vmfb"
     exported.save_mlir(mlir)
@@ -360,7 +459,8 @@ def test_decode_attention_equals_torch_sdpa(head_dim, rope_dim, layout, dtype, c
                                rtol=2 ** -10 if dtype == torch.float16 else 0, atol=1e-6)
     written_of = written.view(12, 2, 2, 16, 2, head_dim)
     for b in range(B):
-        kv = torch.stack([written_of[pages[b, t // 16], 1, :, t % 16] for t in range(lens[b])], dim=1).float()
+        seen = range(max(0, lens[b] - window) if window else 0, lens[b])
+        kv = torch.stack([written_of[pages[b, t // 16], 1, :, t % 16] for t in seen], dim=1).float()
         k_all, v_all = (kv[i].transpose(0, 1).repeat_interleave(H // 2, dim=0) for i in (0, 1))  # [H, T, D]
         qr = _rotated(q[b, 0], cos[b, 0], sin[b, 0], layout)
         want = torch.nn.functional.scaled_dot_product_attention(qr[:, None], k_all, v_all, scale=scale)[:, 0]
@@ -368,7 +468,7 @@ def test_decode_attention_equals_torch_sdpa(head_dim, rope_dim, layout, dtype, c
 
     # the op run eagerly (what tracing falls back on outside IREE) writes and attends the same
     eager_state = state.clone()
-    eager = _Attention(cache, 1, scale, layout)(q, k, v, eager_state, pages, starts, seq_lens, cos, sin)
+    eager = _Attention(cache, 1, scale, layout, window)(q, k, v, eager_state, pages, starts, seq_lens, cos, sin)
     np.testing.assert_allclose(eager_state.float().numpy(), written.float().numpy(),
                                rtol=2 ** -10 if dtype == torch.float16 else 0, atol=1e-6)
     np.testing.assert_allclose(eager.numpy(), got, rtol=0, atol=2e-6 * np.abs(got).max())
@@ -386,21 +486,22 @@ def test_attention_workgroups_leave_one_for_each_cpu(batch, kv_heads, gd, cpus, 
 
 
 class _PrefillAttention(torch.nn.Module):
-    def __init__(self, scale):
+    def __init__(self, scale, window=0):
         super().__init__()
-        self.scale = scale
+        self.scale, self.window = scale, window
 
     def forward(self, q, k, v):
-        return kernels.prefill_attention(q, k, v, self.scale)
+        return kernels.prefill_attention(q, k, v, self.scale, self.window)
 
 
-@pytest.mark.parametrize("head_dim", [64, 40])
-def test_prefill_attention_equals_torch_sdpa(head_dim, tmp_path):
+@pytest.mark.parametrize("head_dim, window", [(64, 0), (40, 0), (64, 45)])
+def test_prefill_attention_equals_torch_sdpa(head_dim, window, tmp_path):
     """The prefill attention kernel (6 query heads on 2 kv heads, batch 2), exported once for
     any prompt length, equals torch's causal scaled_dot_product_attention at lengths 1 to 300:
     within one workgroup's 12 positions (1, 7, 8: partial tiles of 6), across several (37), and
     over many chunks of 32 keys (300: the running softmax). head_dim 40: blocks of 16 dims and
-    a tail of 8."""
+    a tail of 8. A sliding window of 45 (transformers' and ops.causal_mask's: keys i - j < 45)
+    starts inside a chunk of 32 keys, and from position 77 on leaves whole chunks out."""
     import iree.runtime as rt
     from iree.turbine import aot
 
@@ -410,7 +511,7 @@ def test_prefill_attention_equals_torch_sdpa(head_dim, tmp_path):
     rng = np.random.default_rng(head_dim)
     f32 = lambda *shape: torch.from_numpy(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
     seq = torch.export.Dim("seq", max=4096)
-    exported = aot.export(_PrefillAttention(scale), args=(f32(B, 9, H, head_dim), f32(B, 9, Hkv, head_dim),
+    exported = aot.export(_PrefillAttention(scale, window), args=(f32(B, 9, H, head_dim), f32(B, 9, Hkv, head_dim),
                                                           f32(B, 9, Hkv, head_dim)),
                           dynamic_shapes={"q": {1: seq}, "k": {1: seq}, "v": {1: seq}}, strict_export=False)
     mlir, vmfb = tmp_path / "m.mlir", tmp_path / "m.vmfb"
@@ -425,8 +526,10 @@ def test_prefill_attention_equals_torch_sdpa(head_dim, tmp_path):
         got = np.array(ctx.modules.module["main"](*(rt.asdevicearray(config.device, t.numpy()) for t in (q, k, v)))
                        .to_host(), copy=True)
         heads = lambda t: t.transpose(1, 2).repeat_interleave(H // Hkv, dim=1)  # noqa: E731  [B, H, S, D]
-        want = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), heads(k), heads(v),
-                                                                is_causal=True, scale=scale).transpose(1, 2)
+        i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
+        seen = (j <= i) & ((i - j < window) if window else True)
+        want = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), heads(k), heads(v), attn_mask=seen,
+                                                                scale=scale).transpose(1, 2)
         np.testing.assert_allclose(got, want.numpy(), rtol=0, atol=2e-6 * want.abs().max().item(),
                                    err_msg=f"{S} positions")
 
@@ -729,7 +832,7 @@ def test_q4_rows_are_interleaved_once_as_the_module_loads(kernel_module, quantiz
     assert counts[0] == counts[1], f"decode_bs1 dispatches: {counts[0]} interleaved, {counts[1]} as stored"
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "Q5_0"])
 def test_interleaved_rows_read_as_the_weights_as_stored(kind):
     """kernels.interleave_rows puts 4 bytes of each of eight rows' block b side by side (chunk j of
     row r at byte 32 j + 4 r of the group's block), and the eager form of the interleaved kernels
@@ -746,6 +849,8 @@ def test_interleaved_rows_read_as_the_weights_as_stored(kind):
     chunk = group1 + 2 * 8 * size + 32 * 3 + 4 * 5  # row 13 (5 of the second group), block 2, chunk 3
     assert torch.equal(qs[chunk:chunk + 4], planes[0][8 + 5, 2, 12:16])
     assert torch.equal(mixed[1].reshape(-1)[8 * 2 + 6], planes[1][6, 2])  # row 6's scale of block 2
+    if kind == "Q5_0":  # and its 4 bytes of fifth bits
+        assert torch.equal(mixed[2].reshape(-1)[4 * (8 * 2 + 6):4 * (8 * 2 + 7)], planes[2][6, 2])
     assert all(torch.equal(a, b) for a, b in zip(kernels.deinterleave_rows(mixed), planes))
     x = torch.from_numpy(rng.standard_normal((2, k)).astype(np.float32))
     torch.testing.assert_close(OPS[kernels.INTERLEAVED[kind], "matvec"](x, *mixed), OPS[kind, "matvec"](x, *planes),

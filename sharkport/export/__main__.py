@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--matvec-kernels", action="store_true",
                         help="decode runs hand-written x86-64 kernels (AVX2; AVX-512 VNNI where the exporting CPU "
                              "has it, unless SHARKPORT_KERNEL_ISA=avx2), built by the system C compiler "
-                             "and linked by iree-compile: products with Q8_0/Q4_0/Q4_1/F16 weights read as "
+                             "and linked by iree-compile: products with Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/Q5_K/Q6_K/F16 "
+                             "weights read as "
                              "stored (with quantized weights x is quantized to 8 bits per block of 32, as "
                              "llama.cpp does), a llama layer in one dispatch with its norms, rotary, the cache "
                              "write and attention over the pages; prefill's causal attention too. Several times "

@@ -1,10 +1,10 @@
 """Hand-written CPU kernels linked into exported modules (IREE custom dispatches): decode's
 products and attention, prefill's attention.
 
-`matvec.c` computes x [M, K] @ w[N, K].T for a few rows M reading w as stored: Q8_0, Q4_0 and
-Q4_1 planes or float16 (quantized matrices of a row count that is a multiple of 8 through a copy
-with their rows interleaved eight at a time, which the module makes once as it loads:
-layout.interleave_rows); also q, k, v of one x in one dispatch (`matvec_qkv`), SwiGLU's
+`matvec.c` computes x [M, K] @ w[N, K].T for a few rows M reading w as stored: Q8_0, Q4_0, Q4_1,
+Q5_0, Q4_K, Q5_K and Q6_K planes or float16 (Q8_0, Q4 and Q5_0 matrices of a row count that is a
+multiple of 8 through a copy with their rows interleaved eight at a time, which the module makes
+once as it loads: layout.interleave_rows); also q, k, v of one x in one dispatch (`matvec_qkv`), SwiGLU's
 silu(x gate^T) * (x up^T) (`swiglu`), each product optionally of x RMS-normalized first (`norm`)
 or, for one matrix, plus a residual (`residual`); decode attention over the paged cache with
 rotary and the new position's cache write (`decode_attention`), prefill's causal attention of
@@ -33,14 +33,14 @@ from __future__ import annotations
 from .build import (AVX512_FEATURES, CFLAGS, ISA_ENV, ISA_FLAGS, PRODUCTS, PRODUCTS_ENV, SOURCE, available, cache_dir,
                     cflags, compile_flags_for, isa, object_name, object_path, objects_named_by, products,
                     referenced_by)
-from .layout import (BLOCK_CHUNK_ROWS, INTERLEAVED, MAX_GD, MAX_K, MAX_NORMED, MAX_ROWS, MAX_STRIDE, PLANES,
-                     PREFILL_MAX_D, PREFILL_MAX_GD, SIZES, STORED, block_counters, cpus, deinterleave_rows,
+from .layout import (BLOCK_CHUNK_ROWS, BLOCK_KINDS, INTERLEAVED, MAX_GD, MAX_K, MAX_NORMED, MAX_ROWS, MAX_STRIDE,
+                     PLANES, PREFILL_MAX_D, PREFILL_MAX_GD, SIZES, STORED, block_counters, cpus, deinterleave_rows,
                      interleave_rows, kv_heads_per_workgroup, quantized_x, workgroups)
 
-__all__ = ["AVX512_FEATURES", "BLOCK_CHUNK_ROWS", "CFLAGS", "INTERLEAVED", "ISA_ENV", "ISA_FLAGS", "MAX_GD", "MAX_K",
-           "MAX_NORMED", "MAX_ROWS", "MAX_STRIDE", "PLANES", "PREFILL_MAX_D", "PREFILL_MAX_GD", "PRODUCTS",
-           "PRODUCTS_ENV", "SIZES", "SOURCE", "STORED", "attention_block", "available", "block_counters", "cache_dir",
-           "cflags", "compile_flags_for", "cpus", "decode_attention", "decode_indices", "decode_rows",
+__all__ = ["AVX512_FEATURES", "BLOCK_CHUNK_ROWS", "BLOCK_KINDS", "CFLAGS", "INTERLEAVED", "ISA_ENV", "ISA_FLAGS",
+           "MAX_GD", "MAX_K", "MAX_NORMED", "MAX_ROWS", "MAX_STRIDE", "PLANES", "PREFILL_MAX_D", "PREFILL_MAX_GD",
+           "PRODUCTS", "PRODUCTS_ENV", "SIZES", "SOURCE", "STORED", "attention_block", "available", "block_counters",
+           "cache_dir", "cflags", "compile_flags_for", "cpus", "decode_attention", "decode_indices", "decode_rows",
            "deinterleave_rows", "ffn_block", "interleave_rows", "isa", "kernel_type", "kv_heads_per_workgroup",
            "layer_block", "matvec", "matvec_qkv", "object_name", "object_path", "objects_named_by",
            "prefill_attention", "products", "quantized_x", "referenced_by", "swiglu", "workgroups"]
@@ -151,9 +151,9 @@ def decode_attention(q, k, v, cache_state, cache, layer, page_ids, start_positio
     `rope` (cos, sin [B, 1, R/2], or None) in `rope_layout` (as ops.apply_rope), writes k and v
     at start_positions into cache_state (as `cache`, a layers.PagedCache, lays it out; in place;
     a float16 cache stores them rounded to nearest, as `.half()`), and attends to the positions
-    < seq_lens → [B, 1, H, D]. Returns None, having written nothing, where the kernel does not
-    apply: a sliding window, soft-capping, q not in float32, a cache in
-    neither float32 nor float16, shapes beyond MAX_GD / MAX_STRIDE."""
+    < seq_lens (with a sliding `window`, only the last `window` of them) → [B, 1, H, D]. Returns
+    None, having written nothing, where the kernel does not apply: soft-capping, q not in float32,
+    a cache in neither float32 nor float16, shapes beyond MAX_GD / MAX_STRIDE."""
     B, S, H, D = q.shape
     shape = _attention_shape(B, S, H, D, q.dtype, cache_state, cache, rope, rope_layout, scale, window, logit_cap)
     if shape is None:
@@ -173,14 +173,14 @@ def _attention_shape(B, S, H, D, dtype, cache_state, cache, rope, rope_layout, s
     element = {torch.float32: "f32", torch.float16: "f16"}.get(cache_state.dtype)  # of the kernels' cache
     G, rope_dim = H // cache.kv_heads, 2 * rope[0].shape[-1] if rope is not None else 0
     if not (isinstance(S, int) and S == 1 and dtype == torch.float32
-            and element and not window and not logit_cap
+            and element and not logit_cap
             and D % 8 == 0 and G * D <= MAX_GD and cache.stride <= MAX_STRIDE and rope_dim <= D):
         return None
     from .ops import AttentionShape
 
     return AttentionShape(H, cache.kv_heads, D, cache.block_count, cache.stride,
                           D ** -0.5 if scale is None else float(scale), rope_dim, rope_layout, element,
-                          kv_heads_per_workgroup(B, cache.kv_heads, G * D))
+                          kv_heads_per_workgroup(B, cache.kv_heads, G * D), int(window))
 
 
 def _layer_operand(layer, cache):
@@ -218,14 +218,15 @@ def ffn_block(h, norm, gate, up, down):
     """h + down(silu(n(h) gate^T) * (n(h) up^T)) → h's shape, n(h) being h RMS-normalized by `norm`
     (weight [E], eps): llama's feed-forward with its norm and residual add in one kernel dispatch
     (matvec.c's sharkport_ffn_block_<type>, its products' work shared out by the workgroups in two
-    phases), or None where it does not apply: matrices of differing or other
-    types, shapes beyond the products' (MAX_K, MAX_NORMED)."""
+    phases), or None where it does not apply: matrices of differing types or of types without
+    block kernels (BLOCK_KINDS), shapes beyond the products' (MAX_K, MAX_NORMED)."""
     rows = _block_rows(h, norm)
     if rows is None:
         return None
     (M, E), I = rows.shape, gate.shape[0]
     found = _kernel_planes([gate, up, down])
-    if not found or tuple(up.shape) != (I, E) or tuple(down.shape) != (E, I) or I > MAX_K:
+    if (not found or found[0] not in BLOCK_KINDS or tuple(up.shape) != (I, E) or tuple(down.shape) != (E, I)
+            or I > MAX_K):
         return None
     kind, planes = found
     from .ops import BlockShape, block_op
@@ -281,7 +282,7 @@ def _attention_dispatch(h, norm, weights, ffn, cache_state, cache, layer, page_i
             return None
         matrices, shapes = matrices + [gate, up, down], shapes + [(I, E), (I, E), (E, I)]
     found = shape is not None and _kernel_planes(matrices)
-    if not found or [tuple(w.shape) for w in matrices] != shapes:
+    if not found or found[0] not in BLOCK_KINDS or [tuple(w.shape) for w in matrices] != shapes:
         return None
     kind, planes = found
     from .ops import BlockShape, block_op
@@ -299,17 +300,18 @@ def _attention_dispatch(h, norm, weights, ffn, cache_state, cache, layer, page_i
 
 def prefill_attention(q, k, v, scale: float | None = None, window: int = 0, logit_cap: float = 0.0):
     """Causal attention of prefill's q [B, S, H, D] to its own k and v [B, S, Hkv, D] (all rotated)
-    by one kernel dispatch → [B, S, H, D], as ops.attention under ops.causal_mask. Returns None
-    where the kernel does not apply: a sliding window, soft-capping, inputs
-    not in float32, D not a multiple of 8 or above PREFILL_MAX_D, (H / Hkv) * D above PREFILL_MAX_GD."""
+    by one kernel dispatch → [B, S, H, D], as ops.attention under ops.causal_mask (with a sliding
+    `window`, only the last `window` keys). Returns None where the kernel does not apply:
+    soft-capping, inputs not in float32, D not a multiple of 8 or above PREFILL_MAX_D, (H / Hkv) * D
+    above PREFILL_MAX_GD."""
     import torch
 
     B, S, H, D = q.shape
     Hkv = k.shape[2]
-    if not (q.dtype == k.dtype == v.dtype == torch.float32 and not window and not logit_cap
+    if not (q.dtype == k.dtype == v.dtype == torch.float32 and not logit_cap
             and D % 8 == 0 and D <= PREFILL_MAX_D and H // Hkv * D <= PREFILL_MAX_GD):
         return None
     from .ops import PrefillShape, prefill_attention_op
 
-    op = prefill_attention_op(PrefillShape(H, Hkv, D, D ** -0.5 if scale is None else float(scale)))
+    op = prefill_attention_op(PrefillShape(H, Hkv, D, D ** -0.5 if scale is None else float(scale), int(window)))
     return op(q.reshape(B, S, H * D), k.reshape(B, S, Hkv * D), v.reshape(B, S, Hkv * D)).view(B, S, H, D)

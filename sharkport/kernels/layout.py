@@ -24,31 +24,42 @@ PREFILL_MAX_D, PREFILL_MAX_GD = 256, 1024  # matvec.c's PA_MAX_D, PA_MAX_GD
 # (and normalize) x fewer times, as each does all of it (SmolLM2 on 2 CPUs: 96 rows for 192
 # outputs, 4096 for the 49152 of the output projection, 12 workgroups).
 ROW_QUANTUM, WORKGROUPS_PER_CPU, MAX_ROWS_PER_WORKGROUP = 32, 1, 4096
-# plane order of each kernel's arguments after x (sharkport.quant's plane names). Q8_0X8, Q4_0X8
-# and Q4_1X8 are Q8_0, Q4_0 and Q4_1 with their rows interleaved eight at a time (interleave_rows).
+# plane order of each kernel's arguments after x (sharkport.quant's plane names). Q8_0X8, Q4_0X8,
+# Q4_1X8 and Q5_0X8 are Q8_0, Q4_0, Q4_1 and Q5_0 with their rows interleaved eight at a time
+# (interleave_rows).
 PLANES = {"Q8_0": ("qs", "d"), "Q4_0": ("qs", "d"), "Q4_1": ("qs", "d", "m"), "F16": ("w",),
-          "Q8_0X8": ("qs", "d"), "Q4_0X8": ("qs", "d"), "Q4_1X8": ("qs", "d", "m")}
-INTERLEAVED = {"Q8_0": "Q8_0X8", "Q4_0": "Q4_0X8", "Q4_1": "Q4_1X8"}  # a weight type -> its kernel's
+          "Q5_0": ("qs", "d", "qh"), "Q4_K": ("qs", "d", "dmin", "scales"),
+          "Q5_K": ("qs", "d", "dmin", "scales", "qh"), "Q6_K": ("ql", "d", "qh", "scales")}
+# a weight type -> its kernel's with interleaved rows
+INTERLEAVED = {"Q8_0": "Q8_0X8", "Q4_0": "Q4_0X8", "Q4_1": "Q4_1X8", "Q5_0": "Q5_0X8"}
+PLANES.update({x8: PLANES[kind] for kind, x8 in INTERLEAVED.items()})
 STORED = {x8: kind for kind, x8 in INTERLEAVED.items()}  # and back
-# elements of each buffer the C function receives (x, the planes, y), as (factor, divisor) of
-# products of M, N and K: x is M*K floats, Q8_0's qs N*K bytes, a block scale plane N*K/32, ...
+# kernel types matvec.c's block kernels (a whole decode layer in one dispatch) are built for
+BLOCK_KINDS = ("Q8_0", "Q4_0", "Q4_1", "F16", "Q8_0X8", "Q4_0X8", "Q4_1X8")
+# elements of each buffer the C function receives (x, the planes, y), as products of M, N and K
+# over a divisor (times a factor): x is M*K floats, Q8_0's qs N*K bytes, a block scale plane
+# N*K/32, Q4_K's scales 12 bytes per 256 values (N*K*3/64), ...
 SIZES = {"Q8_0": ("mk", ("nk", 1), ("nk", 32), "mn"), "Q4_0": ("mk", ("nk", 2), ("nk", 32), "mn"),
-         "Q4_1": ("mk", ("nk", 2), ("nk", 32), ("nk", 32), "mn"), "F16": ("mk", ("nk", 1), "mn")}
+         "Q4_1": ("mk", ("nk", 2), ("nk", 32), ("nk", 32), "mn"), "F16": ("mk", ("nk", 1), "mn"),
+         "Q5_0": ("mk", ("nk", 2), ("nk", 32), ("nk", 8), "mn"),
+         "Q4_K": ("mk", ("nk", 2), ("nk", 256), ("nk", 256), ("nk", 64, 3), "mn"),
+         "Q5_K": ("mk", ("nk", 2), ("nk", 256), ("nk", 256), ("nk", 64, 3), ("nk", 8), "mn"),
+         "Q6_K": ("mk", ("nk", 2), ("nk", 256), ("nk", 4), ("nk", 16), "mn")}
 SIZES.update({x8: SIZES[kind] for kind, x8 in INTERLEAVED.items()})
 
 
 def interleave_rows(planes):
-    """Q8_0 or Q4 planes (qs [N, B, 32 or 16], then d and m [N, B]; N a multiple of 8) with their
-    rows interleaved eight at a time, as matvec.c's q8_x8 and q4_x8 read them: per group of eight
-    rows and block b, 4 bytes of each row's block at a time (chunk j: bytes 4j .. 4j + 3 of rows
-    0..7), then the eight rows' scales (offsets) of block b together. The planes keep their
-    shapes. Under tracing this is a transpose of a parameter, which IREE hoists into the module's
-    initializer: it runs once, as the module loads, into a copy that decode's products read (one
-    for all functions)."""
+    """Q8_0, Q4 or Q5_0 planes (qs [N, B, 32 or 16], then d and m [N, B], Q5_0's qh [N, B, 4]; N a
+    multiple of 8) with their rows interleaved eight at a time, as matvec.c's q8_x8 and q4_x8 read
+    them: per group of eight rows and block b, 4 bytes of each row's block at a time (chunk j:
+    bytes 4j .. 4j + 3 of rows 0..7), then the eight rows' scales (offsets, fifth bits) of block b
+    together. The planes keep their shapes. Under tracing this is a transpose of a parameter, which
+    IREE hoists into the module's initializer: it runs once, as the module loads, into a copy that
+    decode's products read (one for all functions)."""
     qs, *scales = planes
     N, B, size = qs.shape
     return [qs.reshape(N // 8, 8, B, size // 4, 4).permute(0, 2, 3, 1, 4).reshape(N, B, size),
-            *(p.reshape(N // 8, 8, B).permute(0, 2, 1).reshape(N, B) for p in scales)]
+            *(p.reshape(N // 8, 8, B, -1).permute(0, 2, 1, 3).reshape(p.shape) for p in scales)]
 
 
 def deinterleave_rows(planes):
@@ -56,7 +67,7 @@ def deinterleave_rows(planes):
     qs, *scales = planes
     N, B, size = qs.shape
     return [qs.reshape(N // 8, B, size // 4, 8, 4).permute(0, 3, 1, 2, 4).reshape(N, B, size),
-            *(p.reshape(N // 8, B, 8).permute(0, 2, 1).reshape(N, B) for p in scales)]
+            *(p.reshape(N // 8, B, 8, -1).permute(0, 2, 1, 3).reshape(p.shape) for p in scales)]
 
 
 def quantized_x(x):

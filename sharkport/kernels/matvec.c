@@ -1,9 +1,9 @@
 // Matrix-vector products that read weights as stored (sharkport.kernels): y[m, n] = sum_k
-// x[m, k] * w[n, k] for a few rows m of float32 activations, with w in ggml's Q8_0, Q4_0 or Q4_1
-// planes (see sharkport.quant; also with rows interleaved eight at a time, see q4_x8 and q8_x8)
-// or in float16. Compiled by the system C compiler into an object that iree-compile links into
-// the module (an IREE "custom dispatch"), so it must stay freestanding: no libc, no globals, no
-// thread-local state.
+// x[m, k] * w[n, k] for a few rows m of float32 activations, with w in ggml's Q8_0, Q4_0, Q4_1,
+// Q5_0, Q4_K, Q5_K or Q6_K planes (see sharkport.quant; Q8_0, Q4 and Q5_0 also with rows
+// interleaved eight at a time, see q4_x8 and q8_x8) or in float16. Compiled by the system C
+// compiler into an object that iree-compile links into the module (an IREE "custom dispatch"), so
+// it must stay freestanding: no libc, no globals, no thread-local state.
 //
 // Each workgroup computes `rows` outputs n (an argument: sharkport.kernels.ops aims at one
 // workgroup per CPU, kernels.workgroups) of every row m, reading each weight once for all rows of
@@ -194,12 +194,14 @@ INLINE size_t chunk_rows(size_t M, size_t m0, size_t K) {
 }
 
 // Weight types: as stored (a w of a row count not a multiple of 8 is multiplied a row at a time),
-// and with rows interleaved eight at a time (q4_x8, q8_x8); F16 after these.
+// and with rows interleaved eight at a time (q4_x8, q8_x8); F16, Q5_0, the K-quants and Q5_0
+// interleaved after these.
 enum { Q8_0, Q4_0, Q4_1, Q4_0X8, Q4_1X8, Q8_0X8 };
+enum { F16 = Q8_0X8 + 1, Q5_0, Q4_K, Q6_K, Q5_0X8, Q5_K };
 
 // For one row of w with block scales d (and offsets m, Q4_1): cs[i, b] = d[b] xd[i, b] for the
 // MC rows i of x, and in off[i] the offset term: sum over blocks of the block's offset (Q4_0:
-// -8 d, Q4_1: m; Q8_0 has none) times the sum of x's block.
+// -8 d, Q5_0: -16 d, Q4_1: m; Q8_0 has none) times the sum of x's block.
 INLINE void row_scales(workspace *ws, int kind, const uint16_t *d, const uint16_t *m, size_t MC, size_t B,
                        float *off) {
   __m256 oacc[MC];
@@ -207,7 +209,7 @@ INLINE void row_scales(workspace *ws, int kind, const uint16_t *d, const uint16_
   size_t b = 0;
   for (; b + 8 <= B; b += 8) {
     __m256 dv = halves8(d + b);
-    __m256 ov = kind == Q4_1 ? halves8(m + b) : _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f));
+    __m256 ov = kind == Q4_1 ? halves8(m + b) : _mm256_mul_ps(dv, _mm256_set1_ps(kind == Q5_0 ? -16.0f : -8.0f));
     for (size_t i = 0; i < MC; ++i) {
       _mm256_storeu_ps(ws->cs + i * B + b, _mm256_mul_ps(dv, _mm256_loadu_ps(ws->xd + i * B + b)));
       if (kind != Q8_0) oacc[i] = _mm256_fmadd_ps(ov, _mm256_loadu_ps(ws->xs + i * B + b), oacc[i]);
@@ -215,7 +217,7 @@ INLINE void row_scales(workspace *ws, int kind, const uint16_t *d, const uint16_
   }
   for (size_t i = 0; i < MC; ++i) off[i] = kind == Q8_0 ? 0.0f : hsum(oacc[i]);
   for (; b < B; ++b) {
-    float dv = half(d[b]), ov = kind == Q4_1 ? half(m[b]) : -8.0f * dv;
+    float dv = half(d[b]), ov = kind == Q4_1 ? half(m[b]) : (kind == Q5_0 ? -16.0f : -8.0f) * dv;
     for (size_t i = 0; i < MC; ++i) {
       ws->cs[i * B + b] = dv * ws->xd[i * B + b];
       if (kind != Q8_0) off[i] += ov * ws->xs[i * B + b];
@@ -237,6 +239,20 @@ INLINE __m256i nibbles(const uint8_t *p) {
   return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(15));
 }
 
+// Q5_0's fifth bits: 32 bits (bit j of value j) -> 32 bytes, byte j 16 where bit j is set
+INLINE __m256i fifth_bits(uint32_t bits) {
+  const __m256i bytes = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  //
+                                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
+  __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), bytes), bit);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(16));
+}
+INLINE uint32_t load_bits(const uint8_t *p) {
+  uint32_t v;
+  __builtin_memcpy(&v, p, 4);
+  return v;
+}
+
 // Independent multiply-add chains per row of x: with few rows, several partial sums keep the
 // FMA units busy; with many, the rows do (AVX2 has 16 vector registers).
 #define SPLIT(MC) ((MC) == 1 ? 4 : (MC) == 2 ? 2 : 1)
@@ -251,6 +267,7 @@ INLINE __m256i nibbles(const uint8_t *p) {
       aw = _mm256_sign_epi8(w, w);                                                              \
     } else {                                                                                    \
       w = aw = nibbles((const uint8_t *)qn + 16 * (b));                                         \
+      if (kind == Q5_0) w = aw = _mm256_or_si256(w, fifth_bits(load_bits(qh + 4 * (b))));       \
     }                                                                                           \
     for (size_t i = 0; i < MC; ++i) {                                                           \
       __m256i xb = load32(ws->q + i * K + 32 * (b));                                            \
@@ -262,11 +279,17 @@ INLINE __m256i nibbles(const uint8_t *p) {
 
 // Blocks 2p and 2p + 1 of a Q4 w times those of every row of x (paired, see pair_blocks), scaled,
 // into partial sum u: the two blocks' values meet x's in two `maddubs`, whose sums (|.| <= 2 * 2
-// * 15 * 127) add in 16 bits; lanes 0..3 then hold block 2p's sum, 4..7 block 2p + 1's.
+// * 31 * 127) add in 16 bits; lanes 0..3 then hold block 2p's sum, 4..7 block 2p + 1's. Q5_0's
+// fifth bits join the nibbles: the low ones' are bits 0..15 of each block's, the high ones' 16..31.
 #define Q4_PAIR_STEP(pair, u)                                                                          \
   {                                                                                                    \
     __m256i v = load32((const uint8_t *)qn + 32 * (pair));                                             \
     __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);     \
+    if (kind == Q5_0) {                                                                                \
+      uint32_t h0 = load_bits(qh + 8 * (pair)), h1 = load_bits(qh + 8 * (pair) + 4);                   \
+      lo = _mm256_or_si256(lo, fifth_bits((h0 & 0xFFFF) | (h1 << 16)));                                \
+      hi = _mm256_or_si256(hi, fifth_bits((h0 >> 16) | (h1 & 0xFFFF0000u)));                           \
+    }                                                                                                  \
     for (size_t i = 0; i < MC; ++i) {                                                                  \
       const int8_t *xq = ws->q + i * K + 64 * (pair);                                                  \
       __m256i sums = _mm256_add_epi16(_mm256_maddubs_epi16(lo, load32(xq)), _mm256_maddubs_epi16(hi, load32(xq + 32))); \
@@ -276,9 +299,10 @@ INLINE __m256i nibbles(const uint8_t *p) {
     }                                                                                                  \
   }
 
-// One row n of a quantized w (its blocks at qn, scales d, offsets m) times MC rows of x.
-INLINE void q_row(workspace *ws, int kind, const void *qn, const uint16_t *d, const uint16_t *m, size_t MC,
-                  size_t K, float *out) {
+// One row n of a quantized w (its blocks at qn, scales d, offsets m, Q5_0's fifth bits qh) times
+// MC rows of x.
+INLINE void q_row(workspace *ws, int kind, const void *qn, const uint16_t *d, const uint16_t *m, const uint8_t *qh,
+                  size_t MC, size_t K, float *out) {
   size_t B = K / 32;
   row_scales(ws, kind, d, m, MC, B, out);
   __m256 acc[MC][4];  // SPLIT(MC) used; the blocks are unrolled so that each stays in a register
@@ -366,10 +390,21 @@ _Static_assert(MAX_M == 8, "ROWS_OF_X names the sums of each row count of x up t
                           name##4 = name##0, name##5 = name##0, name##6 = name##0, name##7 = name##0
 #define SUMS_ARRAY(T, name) T name[MAX_M] = {name##0, name##1, name##2, name##3, name##4, name##5, name##6, name##7}
 
-// Rows 0..7 of an x8 group (blocks at qs, scales d and offsets m, 8 per block) times MC rows of x
-// (quantized in ws, blocks in order): out[i][r].
-INLINE void q4_x8(const workspace *ws, int kind, const uint8_t *qs, const uint16_t *d, const uint16_t *m, size_t MC,
-                  size_t K, float out[MAX_M][8]) {
+// Q5_0X8's fifth bits of four values of each of eight rows (lane r of h: row r's 32 bits): byte t
+// of lane r is 16 where bit 4 half + t of byte `at` of the lane is set.
+INLINE __m256i fifth_bits_x8(__m256i h, int at, int half) {
+  const __m256i lanes = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,  //
+                                         0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+  const __m256i bit = _mm256_set1_epi32(half ? (int)0x80402010 : 0x08040201);
+  __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(h, _mm256_add_epi8(lanes, _mm256_set1_epi8((char)at))), bit);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(16));
+}
+
+// Rows 0..7 of an x8 group (blocks at qs, scales d and offsets m, 8 per block; Q5_0X8's fifth bits
+// qh, the eight rows' 4 bytes per block) times MC rows of x (quantized in ws, blocks in order):
+// out[i][r].
+INLINE void q4_x8(const workspace *ws, int kind, const uint8_t *qs, const uint16_t *d, const uint16_t *m,
+                  const uint8_t *qh, size_t MC, size_t K, float out[MAX_M][8]) {
   size_t B = K / 32;
   const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   EIGHT(__m256, acc, _mm256_setzero_ps());
@@ -377,10 +412,16 @@ INLINE void q4_x8(const workspace *ws, int kind, const uint8_t *qs, const uint16
     PREFETCH_TWO_STEPS(qs);
     PREFETCH_TWO_STEPS(qs + 64);
     PREFETCH_PLANES(d, m, b);  // m: null for Q4_0
+    if (kind == Q5_0X8 && !(b & 1)) PREFETCH_TWO_STEPS(qh + 32 * b);
+    __m256i h = kind == Q5_0X8 ? load32(qh + 32 * b) : _mm256_setzero_si256();
     EIGHT(__m256i, s, _mm256_setzero_si256());
     for (size_t j = 0; j < 4; ++j) {
       __m256i v = load32(qs + 32 * j);
       __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      if (kind == Q5_0X8) {  // values 4j .. 4j + 3: bits 4j ..; 16 + 4j ..: bits 16 + 4j ..
+        lo = _mm256_or_si256(lo, fifth_bits_x8(h, (int)j >> 1, (int)j & 1));
+        hi = _mm256_or_si256(hi, fifth_bits_x8(h, 2 + ((int)j >> 1), (int)j & 1));
+      }
 #define ROW(i)                                                                                      \
   if (i < MC) {                                                                                     \
     const int8_t *xq = ws->q + i * K + 32 * b + 4 * j;                                              \
@@ -392,7 +433,8 @@ INLINE void q4_x8(const workspace *ws, int kind, const uint8_t *qs, const uint16
 #undef ROW
     }
     __m256 dv = halves8(d + 8 * b);
-    __m256 mv = kind == Q4_1X8 ? halves8(m + 8 * b) : _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f));
+    __m256 mv = kind == Q4_1X8 ? halves8(m + 8 * b)
+                               : _mm256_mul_ps(dv, _mm256_set1_ps(kind == Q5_0X8 ? -16.0f : -8.0f));
 #define ROW(i)                                                                                          \
   if (i < MC) {                                                                                         \
     __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(s##i, ones));                                    \
@@ -460,7 +502,8 @@ INLINE void pair_outputs(const __m512 *acc, const __m256 *off, size_t MC, float 
   pair_outputs(acc, off, MC, out)
 
 INLINE void q4_x8_zmm(const workspace *ws, int kind, const uint8_t *qs, const uint16_t *d, const uint16_t *m,
-                      size_t MC, size_t K, float out[MAX_M][8]) {
+                      const uint8_t *qh, size_t MC, size_t K, float out[MAX_M][8]) {
+  (void)qh;  // Q4 only: Q5_0X8 takes q4_x8
   size_t B = K / 32;
   const __m512i low4 = _mm512_set1_epi8(15);
   EIGHT(__m512, acc, _mm512_setzero_ps());
@@ -532,10 +575,14 @@ INLINE void q8_x8_zmm(const workspace *ws, const int8_t *qs, const uint16_t *d, 
 // q4_x8 for each row count MC of x in a function of its own, so that its loop's registers do not
 // compete with those of matvec's loop over the outputs (the same for the four-row loop this
 // replaced: SmolLM2 Q4_1 decode bs4 12.10 -> 11.48 ms).
+// Q5_0X8 takes the AVX2 loop in either object.
 #define Q4_X8_AT(MC)                                                                                     \
   NOINLINE void q4_x8_##MC(const workspace *ws, int kind, const uint8_t *qs, const uint16_t *d,        \
-                           const uint16_t *m, size_t K, float out[MAX_M][8]) {                          \
-    Q4_X8_LOOP(ws, kind, qs, d, m, MC, K, out);                                                          \
+                           const uint16_t *m, const uint8_t *qh, size_t K, float out[MAX_M][8]) {       \
+    if (kind == Q5_0X8)                                                                                  \
+      q4_x8(ws, Q5_0X8, qs, d, m, qh, MC, K, out);                                                       \
+    else                                                                                                 \
+      Q4_X8_LOOP(ws, kind, qs, d, m, qh, MC, K, out);                                                      \
   }
 FOR_EACH_ROW_COUNT(Q4_X8_AT)
 
@@ -850,14 +897,14 @@ INLINE __m256 exp_nonpositive(__m256 x) {
 
 INLINE float exp_scalar(float x) { return _mm256_cvtss_f32(exp_nonpositive(_mm256_set1_ps(x))); }
 
-// One weight matrix of a product: its planes (F16: the values in qs) and its number of rows.
+// One weight matrix of a product: its planes (F16: the values in qs; Q4_K: its dmin in m; Q6_K:
+// its ql in qs), its number of rows, and Q5_0's and Q6_K's high bits h and the K-quants' scales s.
 typedef struct {
   const void *qs;
   const uint16_t *d, *m;
   size_t n;
+  const uint8_t *h, *s;
 } matrix;
-
-enum { F16 = Q8_0X8 + 1 };
 enum { CONCAT, SWIGLU };  // y = [x w0^T, x w1^T, ...], or y = silu(x w0^T) * (x w1^T)
 
 INLINE float silu(float g) {  // g * sigmoid(g), with exp only of non-positive values
@@ -884,8 +931,11 @@ INLINE __m256 swiglu8(__m256 g, __m256 u) {
 NOINLINE void read_rows(int kind, const matrix *w, size_t n, size_t rows, size_t mc, size_t K) {
   size_t B = K / 32, block = rows * (kind == F16 ? 64 : kind == Q8_0 || kind == Q8_0X8 ? 32 : 16);
   const uint8_t *qs = (const uint8_t *)w->qs + n * B * (block / rows);
-  const uint8_t *d = kind == F16 ? 0 : (const uint8_t *)(w->d + n * B), *m = w->m ? (const uint8_t *)(w->m + n * B) : 0;
-  const int q4_x8 = kind == Q4_0X8 || kind == Q4_1X8;
+  // of the K-quants, only the 4-bit values (their scales are per 256 values)
+  const int per_block = kind != F16 && kind != Q4_K && kind != Q5_K && kind != Q6_K;
+  const uint8_t *d = per_block ? (const uint8_t *)(w->d + n * B) : 0;
+  const uint8_t *m = per_block && w->m ? (const uint8_t *)(w->m + n * B) : 0;
+  const int q4_x8 = kind == Q4_0X8 || kind == Q4_1X8 || kind == Q5_0X8;
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
   const int ahead = kind == Q8_0X8 || kind == F16 ? mc > 1 : kind != Q4_0 && kind != Q4_1;  // see q8_x8_zmm
   const int two_steps = q4_x8 || kind == Q8_0X8 || kind == F16;  // see FAR_AHEAD
@@ -911,6 +961,119 @@ NOINLINE void read_rows(int kind, const matrix *w, size_t n, size_t rows, size_t
 }
 #endif
 
+// ---- K-quants, a row at a time ----
+//
+// A Q4_K, Q5_K or Q6_K row is super-blocks of 256 values, each x's 8 blocks of 32; x is quantized
+// in blocks of 32 as for the other types (not paired). Q4_K: value = d sc[j] q - dmin mn[j] for q
+// in 0..15 and 6-bit sc, mn per 32 values j; Q5_K the same with q in 0..31; Q6_K: value =
+// d sc[j] (q - 32) for q in 0..63 and signed 8-bit sc per 16 values j (ggml's
+// dequantize_row_q4_K, _q5_K and _q6_K).
+
+// Q4_K's eight 6-bit scales and mins, packed in 12 bytes (ggml's get_scale_min_k4)
+INLINE void k4_scales(const uint8_t *q, uint8_t sc[8], uint8_t mn[8]) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = q[j] & 63, mn[j] = q[j + 4] & 63;
+    sc[j + 4] = (q[j + 8] & 15) | ((q[j] >> 6) << 4), mn[j + 4] = (q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4);
+  }
+}
+
+// One Q4_K or Q5_K row (qs 128 bytes a super-block: 32 bytes hold two blocks, the low nibbles one
+// and the high the next; Q5_K's qh 32 bytes, bits 2c and 2c + 1 of byte l the fifth bits of
+// value l of blocks 2c and 2c + 1; d and dmin float16; 12 bytes of scales) times MC rows of x into
+// out.
+INLINE void q4k_row(int kind, const workspace *ws, const uint8_t *qs, const uint16_t *d, const uint16_t *dmin,
+                    const uint8_t *scales, const uint8_t *qh, size_t MC, size_t K, float *out) {
+  size_t B = K / 32;
+  const __m256i low4 = _mm256_set1_epi8(15);
+  __m256 acc[MC];
+  float off[MC];
+  for (size_t i = 0; i < MC; ++i) acc[i] = _mm256_setzero_ps(), off[i] = 0.0f;
+  for (size_t s = 0; s < K / 256; ++s, qs += 128, scales += 12, qh += kind == Q5_K ? 32 : 0) {
+    PREFETCH_LINE(qs);
+    PREFETCH_LINE(qs + 64);
+    if (kind == Q5_K) PREFETCH_LINE(qh);
+    uint8_t sc[8], mn[8];
+    k4_scales(scales, sc, mn);
+    float ds = half(d[s]), dm = half(dmin[s]);
+    for (size_t c = 0; c < 4; ++c) {
+      __m256i v = load32(qs + 32 * c);
+      __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      if (kind == Q5_K) {  // bit 2c (2c + 1) of each byte to bit 4 (each byte's own: the shifts stay within it)
+        __m256i h = load32(qh), fifth = _mm256_set1_epi8(16);
+        __m256i h0 = c < 2 ? _mm256_slli_epi16(h, 4 - 2 * (int)c) : _mm256_srli_epi16(h, 2 * (int)c - 4);
+        __m256i h1 = c < 2 ? _mm256_slli_epi16(h, 3 - 2 * (int)c) : _mm256_srli_epi16(h, 2 * (int)c - 3);
+        lo = _mm256_or_si256(lo, _mm256_and_si256(h0, fifth));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(h1, fifth));
+      }
+      size_t b = 8 * s + 2 * c;
+      for (size_t i = 0; i < MC; ++i) {
+        const int8_t *xq = ws->q + i * K + 32 * b;
+        const float *xd = ws->xd + i * B + b;
+        acc[i] = _mm256_fmadd_ps(dot_u8s8(lo, load32(xq)), _mm256_set1_ps(ds * sc[2 * c] * xd[0]), acc[i]);
+        acc[i] = _mm256_fmadd_ps(dot_u8s8(hi, load32(xq + 32)), _mm256_set1_ps(ds * sc[2 * c + 1] * xd[1]), acc[i]);
+      }
+    }
+    for (size_t i = 0; i < MC; ++i) {
+      float m = 0.0f;
+      for (size_t j = 0; j < 8; ++j) m += mn[j] * ws->xs[i * B + 8 * s + j];
+      off[i] -= dm * m;
+    }
+  }
+  for (size_t i = 0; i < MC; ++i) out[i] = hsum(acc[i]) + off[i];
+}
+
+// One Q6_K row (per super-block: ql 128 bytes of low nibbles, qh 64 bytes of 2-bit high parts,
+// 16 signed scales, d float16) times MC rows of x into out. Each half of a super-block is 64 bytes
+// of ql and 32 of qh: its values 32g + l (g = 0..3) take ql[l] (g 0, 2) or ql[32 + l] (g 1, 3),
+// low nibble for g < 2, and bits 2g, 2g + 1 of qh[l]; scale sc[8 half + 2g + l / 16].
+INLINE void q6k_row(const workspace *ws, const uint8_t *ql, const uint16_t *d, const uint8_t *qh,
+                    const int8_t *scales, size_t MC, size_t K, float *out) {
+  size_t B = K / 32;
+  const __m256i low4 = _mm256_set1_epi8(15), high2 = _mm256_set1_epi8(0x30), m32 = _mm256_set1_epi8(32);
+  __m256 acc[MC];
+  for (size_t i = 0; i < MC; ++i) acc[i] = _mm256_setzero_ps();
+  for (size_t s = 0; s < K / 256; ++s, ql += 128, qh += 64, scales += 16) {
+    PREFETCH_LINE(ql);
+    PREFETCH_LINE(ql + 64);
+    PREFETCH_LINE(qh);
+    float ds = half(d[s]);
+    for (size_t h = 0; h < 2; ++h) {
+      __m256i l0 = load32(ql + 64 * h), l1 = load32(ql + 64 * h + 32), hb = load32(qh + 32 * h);
+      __m256i q[4] = {
+          _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), high2)),
+          _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), high2)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(hb, high2)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                          _mm256_and_si256(_mm256_srli_epi16(hb, 2), high2))};
+      for (size_t g = 0; g < 4; ++g) {
+        const int8_t *sc = scales + 8 * h + 2 * g;
+        // the block's two scales, one for each 16 values: 16-bit lanes 0..7, then 8..15
+        __m256i sc16 = _mm256_set_m128i(_mm_set1_epi16(sc[1]), _mm_set1_epi16(sc[0]));
+        size_t b = 8 * s + 4 * h + g;
+        for (size_t i = 0; i < MC; ++i) {
+          __m256i xb = load32(ws->q + i * K + 32 * b);
+          // (q - 32) x in pairs: |.| <= 2 * 63 * 127 before the subtraction, so no saturation
+          __m256i pairs = _mm256_sub_epi16(_mm256_maddubs_epi16(q[g], xb), _mm256_maddubs_epi16(m32, xb));
+          __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, sc16));
+          acc[i] = _mm256_fmadd_ps(p, _mm256_set1_ps(ds * ws->xd[i * B + b]), acc[i]);
+        }
+      }
+    }
+  }
+  for (size_t i = 0; i < MC; ++i) out[i] = hsum(acc[i]);
+}
+
+// Row n of a K-quant w times MC rows of x into out.
+INLINE void k_row(int kind, const workspace *ws, const matrix *w, size_t n, size_t MC, size_t K, float *out) {
+  size_t S = K / 256;
+  if (kind == Q4_K || kind == Q5_K)
+    q4k_row(kind, ws, (const uint8_t *)w->qs + n * (K / 2), w->d + n * S, w->m + n * S, w->s + n * S * 12,
+            kind == Q5_K ? w->h + n * (K / 8) : 0, MC, K, out);
+  else
+    q6k_row(ws, (const uint8_t *)w->qs + n * (K / 2), w->d + n * S, w->h + n * (K / 4),
+            (const int8_t *)w->s + n * (K / 16), MC, K, out);
+}
+
 // Row wn of float16 weights times rows [0, mc) of x into column c of out.
 INLINE void f16_rows(const float *x, const uint16_t *wn, size_t mc, size_t K, float out[MAX_M][8], size_t c) {
   float column[MAX_M];
@@ -920,7 +1083,7 @@ INLINE void f16_rows(const float *x, const uint16_t *wn, size_t mc, size_t K, fl
   for (size_t i = 0; i < mc; ++i) out[i][c] = column[i];
 }
 
-// Rows n .. n + 7 of matrix w with interleaved rows (Q4_0X8, Q4_1X8, Q8_0X8), else row n, times
+// Rows n .. n + 7 of matrix w with interleaved rows (Q4_0X8, Q4_1X8, Q5_0X8, Q8_0X8), else row n, times
 // rows [m0, m0 + mc) of x (quantized in ws unless F16) into out[0, mc)[r].
 INLINE void some_rows(int kind, workspace *ws, const float *x, const matrix *w, size_t n, size_t mc, size_t K,
                       float out[MAX_M][8]) {
@@ -928,7 +1091,7 @@ INLINE void some_rows(int kind, workspace *ws, const float *x, const matrix *w, 
   float column[MAX_M];  // one row of w's outputs
 #if SHARKPORT_PRODUCTS
 #if SHARKPORT_PRODUCTS == 1
-  read_rows(kind, w, n, kind == Q4_0X8 || kind == Q4_1X8 || kind == Q8_0X8 ? 8 : 1, mc, K);
+  read_rows(kind, w, n, kind == Q4_0X8 || kind == Q4_1X8 || kind == Q5_0X8 || kind == Q8_0X8 ? 8 : 1, mc, K);
 #endif
   for (size_t i = 0; i < mc; ++i)
     for (size_t r = 0; r < 8; ++r) out[i][r] = 0.0f;
@@ -938,21 +1101,29 @@ INLINE void some_rows(int kind, workspace *ws, const float *x, const matrix *w, 
     f16_rows(x, (const uint16_t *)w->qs + n * K, mc, K, out, 0);
     return;
   }
+  if (kind == Q4_K || kind == Q5_K || kind == Q6_K) {
+#define ROW(MC) k_row(kind, ws, w, n, MC, K, column)
+    FOR_CONSTANT_MC(mc, ROW)
+#undef ROW
+    for (size_t i = 0; i < mc; ++i) out[i][0] = column[i];
+    return;
+  }
   const uint8_t *qn = (const uint8_t *)w->qs + n * (kind == Q8_0 || kind == Q8_0X8 ? K : K / 2);
   const uint16_t *d = w->d + n * B, *m = w->m ? w->m + n * B : 0;
+  const uint8_t *qh = w->h ? w->h + n * B * 4 : 0;  // Q5_0's (interleaved: the group's from n)
   if (kind == Q8_0X8) {
 #define ROW(MC) AT_ROWS(q8_x8, MC)(ws, (const int8_t *)qn, d, K, out)
     FOR_CONSTANT_MC(mc, ROW)
 #undef ROW
     return;
   }
-  if (kind == Q4_0X8 || kind == Q4_1X8) {
-#define ROW(MC) AT_ROWS(q4_x8, MC)(ws, kind, qn, d, m, K, out)
+  if (kind == Q4_0X8 || kind == Q4_1X8 || kind == Q5_0X8) {
+#define ROW(MC) AT_ROWS(q4_x8, MC)(ws, kind, qn, d, m, qh, K, out)
     FOR_CONSTANT_MC(mc, ROW)
 #undef ROW
     return;
   }
-#define ROW(MC) q_row(ws, kind, qn, d, m, MC, K, column)
+#define ROW(MC) q_row(ws, kind, qn, d, m, qh, MC, K, column)
   FOR_CONSTANT_MC(mc, ROW)
 #undef ROW
   for (size_t i = 0; i < mc; ++i) out[i][0] = column[i];
@@ -981,7 +1152,7 @@ static void rms_norm_rows(const float *x, const float *g, float eps, size_t M, s
 }
 
 // Rows [m0, m0 + mc) of x [M, K] prepared in ws for the products of weights of `kind`: quantized
-// in blocks of 32 (and paired, for Q4), unless F16; where g is not null, all of x is first
+// in blocks of 32 (and paired, for Q4 and Q5_0), unless F16; where g is not null, all of x is first
 // RMS-normalized by it into ws->xn (with the first rows, m0 = 0). Returns x as the products read
 // it: ws->xn, or x itself.
 INLINE const float *prepare_x(int kind, const float *x, const float *g, float eps, size_t M, size_t K, size_t m0,
@@ -991,7 +1162,7 @@ INLINE const float *prepare_x(int kind, const float *x, const float *g, float ep
     x = ws->xn;
   }
   if (kind != F16) quantize_x(x + m0 * K, mc, K, ws->q, ws->xd, ws->xs);
-  if (kind == Q4_0 || kind == Q4_1) pair_blocks(ws->q, mc, K);
+  if (kind == Q4_0 || kind == Q4_1 || kind == Q5_0) pair_blocks(ws->q, mc, K);
   return x;
 }
 
@@ -1007,7 +1178,8 @@ INLINE void put(float *y, const float *r, size_t at, float v) { y[at] = r ? r[at
 INLINE void product_rows(int kind, int op, workspace *ws, const float *x, const matrix *w, size_t count,
                          const float *r, float *y, size_t M, size_t N, size_t K, size_t m0, size_t mc, size_t n0,
                          size_t n1) {
-  const size_t group = kind == Q4_0X8 || kind == Q4_1X8 || kind == Q8_0X8 ? 8 : 1;  // rows of w at a time
+  // rows of w at a time
+  const size_t group = kind == Q4_0X8 || kind == Q4_1X8 || kind == Q5_0X8 || kind == Q8_0X8 ? 8 : 1;
   const int pairs = kind == F16 && F16_PAIRS(mc);  // F16 rows of w two at a time (f16_pairs)
   x += m0 * K;
   size_t j = 0, first = 0;  // the matrix holding output n, its first output
@@ -1120,6 +1292,20 @@ INLINE void matvec(int kind, int op, const float *x, const float *g, float eps, 
 #define MAT_Q4_0X8 MAT_Q4_0
 #define MAT_Q4_1X8 MAT_Q4_1
 #define MAT_F16(p, rows) {BASE(p##qs), 0, 0, rows}
+#define ARGS_Q5_0(p) MEMREF(const uint8_t, p##qs), MEMREF(const uint16_t, p##d), MEMREF(const uint8_t, p##qh)
+#define MAT_Q5_0(p, rows) {BASE(p##qs), BASE(p##d), 0, rows, BASE(p##qh), 0}
+#define ARGS_Q5_0X8 ARGS_Q5_0
+#define MAT_Q5_0X8 MAT_Q5_0
+#define ARGS_Q4_K(p)                                                                     \
+  MEMREF(const uint8_t, p##qs), MEMREF(const uint16_t, p##d), MEMREF(const uint16_t, p##dmin), \
+      MEMREF(const uint8_t, p##sc)
+#define MAT_Q4_K(p, rows) {BASE(p##qs), BASE(p##d), BASE(p##dmin), rows, 0, BASE(p##sc)}
+#define ARGS_Q5_K(p) ARGS_Q4_K(p), MEMREF(const uint8_t, p##qh)
+#define MAT_Q5_K(p, rows) {BASE(p##qs), BASE(p##d), BASE(p##dmin), rows, BASE(p##qh), BASE(p##sc)}
+#define ARGS_Q6_K(p)                                                                 \
+  MEMREF(const uint8_t, p##ql), MEMREF(const uint16_t, p##d), MEMREF(const uint8_t, p##qh), \
+      MEMREF(const uint8_t, p##sc)
+#define MAT_Q6_K(p, rows) {BASE(p##ql), BASE(p##d), 0, rows, BASE(p##qh), BASE(p##sc)}
 #define X_ARG MEMREF(const float, x)
 #define NORM_ARG MEMREF(const float, g)
 #define N_ARGS size_t M, size_t N, size_t K, size_t rows, size_t wg
@@ -1163,6 +1349,11 @@ DEFINE_KERNELS(Q4_0X8, q4_0x8)
 DEFINE_KERNELS(Q4_1X8, q4_1x8)
 DEFINE_KERNELS(Q8_0X8, q8_0x8)
 DEFINE_KERNELS(F16, f16)
+DEFINE_KERNELS(Q5_0, q5_0)
+DEFINE_KERNELS(Q5_0X8, q5_0x8)
+DEFINE_KERNELS(Q4_K, q4_k)
+DEFINE_KERNELS(Q5_K, q5_k)
+DEFINE_KERNELS(Q6_K, q6_k)
 #undef X_ARG
 #undef NORM_ARG
 #undef N_ARGS
@@ -1489,7 +1680,8 @@ INLINE void group_page(const int f16, size_t hg, const float *q, float *acc, flo
 INLINE void attention(const int f16, const float *q, const float *knew, const float *vnew, void *cache,
                       const int64_t *pages, const int64_t *starts, const int64_t *lens, const int64_t *layer,
                       const float *rcos, const float *rsin, float *out, size_t blocks, size_t H, size_t Hkv, size_t D,
-                      size_t L, size_t stride, size_t R, size_t interleaved, size_t hpw, float scale, size_t wg) {
+                      size_t L, size_t stride, size_t R, size_t interleaved, size_t hpw, float scale, size_t window,
+                      size_t wg) {
   size_t G = H / Hkv, heads = hpw * G;  // query heads a kv head, a workgroup
   if (!hpw || Hkv % hpw || heads * D > MAX_GD || stride > MAX_STRIDE || D % 8 || R > D)
     return;  // never traced: kernels routes only these
@@ -1505,15 +1697,21 @@ INLINE void attention(const int f16, const float *q, const float *knew, const fl
   float acc[MAX_GD], run_max[MAX_GD / 8], run_sum[MAX_GD / 8], ps[3][MAX_STRIDE];
   for (size_t i = 0; i < heads * D; ++i) acc[i] = 0.0f;
   for (size_t h = 0; h < heads; ++h) run_max[h] = -__builtin_inff(), run_sum[h] = 0.0f;
+  // positions seen: [first, len), the last `window` of them with a sliding window (keys t with
+  // len - 1 - t < window, as ops.length_mask)
+  size_t first = window && len > window ? len - window : 0, t_first = first - first % stride;
   if (len) {  // the first page's rows at once (the walk fetches each next page while on one)
-    size_t rows = len < stride ? len : stride, seg = hpw * D * bytes;
-    const char *k = (const char *)cache + ((size_t)page_ids[0] * L + l) * 2 * kv_elems * bytes + g0 * D * bytes;
-    next_page first = {k, 0, seg, slot_elems * bytes, rows, k + kv_elems * bytes, rows, 2 * rows * ((seg + 63) / 64)};
-    prefetch_next_page(&first);
+    size_t rows = len - t_first < stride ? len - t_first : stride, seg = hpw * D * bytes;
+    const char *k = (const char *)cache + ((size_t)page_ids[t_first / stride] * L + l) * 2 * kv_elems * bytes +
+                    g0 * D * bytes;
+    next_page pf0 = {k, 0, seg, slot_elems * bytes, rows, k + kv_elems * bytes, rows, 2 * rows * ((seg + 63) / 64)};
+    prefetch_next_page(&pf0);
   }
-  for (size_t t0 = 0; t0 < len; t0 += stride) {
-    size_t n = len - t0 < stride ? len - t0 : stride;
-    const char *page = (const char *)cache + ((size_t)page_ids[t0 / stride] * L + l) * 2 * kv_elems * bytes;
+  for (size_t t0 = t_first; t0 < len; t0 += stride) {
+    size_t skip = t0 < first ? first - t0 : 0;  // rows of the page before the window
+    size_t n = (len - t0 < stride ? len - t0 : stride) - skip;
+    const char *page = (const char *)cache + ((size_t)page_ids[t0 / stride] * L + l) * 2 * kv_elems * bytes +
+                       skip * slot_elems * bytes;
     next_page pf = {0};
     if (t0 + stride < len) {
       size_t rows = len - t0 - stride < stride ? len - t0 - stride : stride, seg = hpw * D * bytes;
@@ -1550,10 +1748,10 @@ INLINE void attention(const int f16, const float *q, const float *knew, const fl
       MEMREF(const int64_t, pages), MEMREF(const int64_t, starts), MEMREF(const int64_t, lens),              \
       MEMREF(const int64_t, layer), MEMREF(const float, rcos), MEMREF(const float, rsin), MEMREF(float, out), \
       size_t blocks, size_t H, size_t Hkv, size_t D, size_t L, size_t stride, size_t R, size_t interleaved,   \
-      size_t hpw, float scale, size_t wg
+      size_t hpw, float scale, size_t window, size_t wg
 #define ATTENTION(f16)                                                                                        \
   attention(f16, BASE(q), BASE(knew), BASE(vnew), BASE(cache), BASE(pages), BASE(starts), BASE(lens), BASE(layer), \
-            BASE(rcos), BASE(rsin), BASE(out), blocks, H, Hkv, D, L, stride, R, interleaved, hpw, scale, wg)
+            BASE(rcos), BASE(rsin), BASE(out), blocks, H, Hkv, D, L, stride, R, interleaved, hpw, scale, window, wg)
 void sharkport_decode_attention(ATTENTION_ARGS(float)) { ATTENTION(0); }
 void sharkport_decode_attention_f16(ATTENTION_ARGS(uint16_t)) { ATTENTION(1); }
 
@@ -1677,7 +1875,7 @@ INLINE void pa_values(float *acc, const float p[PA_Q][PA_CHUNK], const float res
 }
 
 INLINE void prefill_attention(const float *q, const float *k, const float *v, float *out, size_t S, size_t H,
-                              size_t Hkv, size_t D, float scale, size_t wg) {
+                              size_t Hkv, size_t D, float scale, size_t window, size_t wg) {
   size_t blocks = (S + PREFILL_ROWS - 1) / PREFILL_ROWS, G = H / Hkv;
   if (D > PA_MAX_D || D % 8 || G * D > PA_MAX_GD) return;  // never traced: kernels routes only these
   size_t b = wg / (Hkv * blocks), g = wg / blocks % Hkv, block = blocks - 1 - wg % blocks;
@@ -1688,7 +1886,9 @@ INLINE void prefill_attention(const float *q, const float *k, const float *v, fl
   float run_max[PREFILL_ROWS * PA_MAX_GD / 8], run_sum[PREFILL_ROWS * PA_MAX_GD / 8], rescale[PA_Q];
   for (size_t i = 0; i < G * PREFILL_ROWS * D; ++i) acc[i] = 0.0f;  // a last tile's rows past p1 too
   for (size_t i = 0; i < G * PREFILL_ROWS; ++i) run_max[i] = -__builtin_inff(), run_sum[i] = 0.0f;
-  for (size_t c0 = 0; c0 < p1; c0 += PA_CHUNK) {
+  // with a sliding window, position p sees keys (p - window, p]: chunks before the first row's go
+  size_t c_first = window && p0 + 1 > window ? (p0 + 1 - window) / PA_CHUNK * PA_CHUNK : 0;
+  for (size_t c0 = c_first; c0 < p1; c0 += PA_CHUNK) {
     size_t n = p1 - c0 < PA_CHUNK ? p1 - c0 : PA_CHUNK;  // keys [c0, c0 + n), K^T zero past n
     for (size_t j = 0; j < PA_CHUNK; j += 8)
       for (size_t d = 0; d < D; d += 8)
@@ -1706,6 +1906,11 @@ INLINE void prefill_attention(const float *q, const float *k, const float *v, fl
           size_t pos = t0 + (r < rows ? r : rows - 1), seen = pos + 1 > c0 ? pos + 1 - c0 : 0;
           seen = seen < n ? seen : n;
           last = seen > last ? seen : last;
+          size_t lo = window && pos + 1 > window ? pos + 1 - window : 0;  // the row's first key
+          if (lo > c0) {  // keys of the chunk before the row's window: none, or masked
+            if (lo - c0 >= seen) seen = 0;
+            for (size_t j = 0; j < lo - c0 && j < seen; ++j) s[r][j] = -__builtin_inff();
+          }
           if (r < rows) {
             rescale[r] = pa_softmax(s[r], seen, run_max + at + r, run_sum + at + r);
           } else {
@@ -1726,8 +1931,8 @@ INLINE void prefill_attention(const float *q, const float *k, const float *v, fl
 
 void sharkport_prefill_attention(MEMREF(const float, q), MEMREF(const float, k), MEMREF(const float, v),
                                  MEMREF(float, out), size_t S, size_t H, size_t Hkv, size_t D, float scale,
-                                 size_t wg) {
-  prefill_attention(BASE(q), BASE(k), BASE(v), BASE(out), S, H, Hkv, D, scale, wg);
+                                 size_t window, size_t wg) {
+  prefill_attention(BASE(q), BASE(k), BASE(v), BASE(out), S, H, Hkv, D, scale, window, wg);
 }
 
 
@@ -1887,13 +2092,13 @@ NOINLINE void attention_item(const int f16, const float *q, const float *knew, c
                              const int64_t *pages, const int64_t *starts, const int64_t *lens, const int64_t *layer,
                              const float *rcos, const float *rsin, float *out, size_t blocks, size_t H, size_t Hkv,
                              size_t D, size_t L, size_t stride, size_t R, size_t interleaved, size_t hpw, float scale,
-                             size_t item) {
+                             size_t window, size_t item) {
   if (f16)
     attention(1, q, knew, vnew, cache, pages, starts, lens, layer, rcos, rsin, out, blocks, H, Hkv, D, L, stride, R,
-              interleaved, hpw, scale, item);
+              interleaved, hpw, scale, window, item);
   else
     attention(0, q, knew, vnew, cache, pages, starts, lens, layer, rcos, rsin, out, blocks, H, Hkv, D, L, stride, R,
-              interleaved, hpw, scale, item);
+              interleaved, hpw, scale, window, item);
 }
 
 // The block kernels of weight type T (the attention block's planes: q's, k's, v's, then the
@@ -1941,12 +2146,12 @@ NOINLINE void attention_item(const int f16, const float *q, const float *knew, c
       MEMREF(const float, rcos), MEMREF(const float, rsin), ARGS_##T(o)
 #define ATTENTION_CONSTANTS                                                                                          \
   size_t blocks, size_t M, size_t E, size_t H, size_t Hkv, size_t D, size_t L, size_t stride, size_t R,             \
-      size_t interleaved, size_t hpw, float scale
+      size_t interleaved, size_t hpw, float scale, size_t window
 #define ATTENTION_PHASES_CALL(lower, suffix, T, out, scratch, next)                                                  \
   attention_phases_##lower##suffix(BASE(x), BASE(g), eps, (matrix[3]){MAT_##T(a, H * D), MAT_##T(b, Hkv * D),        \
                                    MAT_##T(c, Hkv * D)}, (matrix[1]){MAT_##T(o, E)}, BASE(cache), BASE(pages),       \
                                    BASE(starts), BASE(lens), BASE(layer), BASE(rcos), BASE(rsin), out, scratch,      \
-                                   blocks, M, E, H, Hkv, D, L, stride, R, interleaved, hpw, scale, chunk,            \
+                                   blocks, M, E, H, Hkv, D, L, stride, R, interleaved, hpw, scale, window, chunk,    \
                                    BASE(phase_counters), workgroups, wg, next)
 #define ATTENTION_BLOCK(T, lower, C, f16, suffix)                                                                    \
   /* Phases 0 to 2: out = h + o(attention(q, k, v of n(h))), q, k, v [M, Nq + 2 Nkv] and then the   \
@@ -1955,8 +2160,8 @@ NOINLINE void attention_item(const int f16, const float *q, const float *knew, c
       const float *h, const float *g, float eps, const matrix *qkv_w, const matrix *o_w, C *cache,                   \
       const int64_t *pages, const int64_t *starts, const int64_t *lens, const int64_t *layer, const float *rcos,     \
       const float *rsin, float *out, float *scratch, size_t blocks, size_t M, size_t E, size_t H, size_t Hkv,        \
-      size_t D, size_t L, size_t stride, size_t R, size_t interleaved, size_t hpw, float scale, size_t chunk,        \
-      int32_t *counters, size_t W, size_t wg, upcoming next) {                                                       \
+      size_t D, size_t L, size_t stride, size_t R, size_t interleaved, size_t hpw, float scale, size_t window,       \
+      size_t chunk, int32_t *counters, size_t W, size_t wg, upcoming next) {                                         \
     size_t Nq = H * D, Nkv = Hkv * D, Nqkv = Nq + 2 * Nkv, items = M * (Hkv / hpw);                                  \
     float *qkv = scratch, *att = qkv + M * Nqkv;                                                                     \
     const upcoming nothing = {{0}, {0}};                                                                             \
@@ -1965,7 +2170,7 @@ NOINLINE void attention_item(const int f16, const float *q, const float *knew, c
     size_t done = 0;                                                                                                 \
     for (size_t item; (item = claim_item(claimed)) < items; ++done)                                                  \
       attention_item(f16, qkv, qkv + M * Nq, qkv + M * (Nq + Nkv), cache, pages, starts, lens, layer, rcos, rsin,    \
-                     att, blocks, H, Hkv, D, L, stride, R, interleaved, hpw, scale, item);                           \
+                     att, blocks, H, Hkv, D, L, stride, R, interleaved, hpw, scale, window, item);                   \
     int32_t *finished = counters + FINISHED_LINE(1, W) * COUNTER_STRIDE;                                             \
     finish_items(finished, done);                                                                                    \
     await_items(finished, items, own_span(T, o_w, Nq, chunk, W, wg));                                                \

@@ -203,11 +203,14 @@ def _total_rows(count: int, result: str) -> list[str]:
 
 def _size(i: int, spec, n: str | None) -> list[str]:
     """Lines computing binding i's element count %size{i} from %m, the row count `n` and %k (see
-    SIZES: "mk" is M*K, ("nk", 2) N*K/2, "mn" M*N; "k1" is K)."""
-    (a, b), divisor = (spec, 1) if isinstance(spec, str) else spec
+    SIZES: "mk" is M*K, ("nk", 2) N*K/2, ("nk", 64, 3) N*K*3/64, "mn" M*N; "k1" is K)."""
+    (a, b), divisor, *factor = (spec, 1) if isinstance(spec, str) else spec
     value = {"m": "%m", "k": "%k", "n": n, "1": "%c1"}
-    return [constant(f"%d{i}", divisor, "index"), f"%p{i} = arith.muli {value[a]}, {value[b]} : index",
-            f"%size{i} = arith.divui %p{i}, %d{i} : index"]
+    product = [f"%p{i} = arith.muli {value[a]}, {value[b]} : index"]
+    if factor:
+        product = [f"%q{i} = arith.muli {value[a]}, {value[b]} : index", constant(f"%f{i}", factor[0], "index"),
+                   f"%p{i} = arith.muli %q{i}, %f{i} : index"]
+    return [constant(f"%d{i}", divisor, "index"), *product, f"%size{i} = arith.divui %p{i}, %d{i} : index"]
 
 
 # ---- decode attention: B * (kv heads / kv heads a workgroup) workgroups ----
@@ -258,7 +261,7 @@ def prefill_module(shape: PrefillShape) -> str:
     name, t = shape.name, "tensor<?x?x?xf32>"
     q_dims, kv_dims = ["%b", "%s", "%hd"], ["%b", "%s", "%kvd"]
     constants = [("%h", shape.heads, "index"), ("%hkv", shape.kv_heads, "index"), ("%d", shape.head_dim, "index"),
-                 ("%scale", f"0x{shape.scale_bits:08X}", "f32")]
+                 ("%scale", f"0x{shape.scale_bits:08X}", "f32"), ("%window", shape.window, "index")]
     return Dispatch(
         executable=f"{name}_executable", entry=f"{name}_entry", func=name, c_name="sharkport_prefill_attention",
         workgroup_args=["%b", "%s"], workgroups="%x",

@@ -115,7 +115,7 @@ def _attention_eager(shape: AttentionShape, q, k, v, cache, pages, starts, lens,
     paged.write_positions(cache, l, _rotated(shape, k, cos, sin, Hkv), v.view(B, 1, Hkv, D), pages, starts)
     q = _rotated(shape, q, cos, sin, H)
     k, v = paged.read(cache, l, pages, q.dtype)
-    out = attention(q, k, v, length_mask(lens, k.shape[1], q.dtype), shape.scale)
+    out = attention(q, k, v, length_mask(lens, k.shape[1], q.dtype, shape.window), shape.scale)
     return out.reshape(B, H * D)
 
 
@@ -151,12 +151,12 @@ def attention_op(shape: AttentionShape):
 # ---- prefill attention ----
 
 def _prefill_eager(shape: PrefillShape, q, k, v) -> torch.Tensor:
-    """The attention in torch: ops.attention under a causal mask."""
+    """The attention in torch: ops.attention under a causal mask (windowed with a window)."""
     from ..ops import attention, causal_mask
 
     B, S, D = q.shape[0], q.shape[1], shape.head_dim
     out = attention(q.view(B, S, shape.heads, D), k.view(B, S, shape.kv_heads, D), v.view(B, S, shape.kv_heads, D),
-                    causal_mask(S, q.dtype, q.device), shape.scale)
+                    causal_mask(S, q.dtype, q.device, shape.window), shape.scale)
     return out.reshape(B, S, shape.heads * D)
 
 

@@ -63,6 +63,7 @@ class AttentionShape:
     # them read each page whole, in address order; fewer share a sequence among more workgroups
     # (kernels.kv_heads_per_workgroup chooses)
     kv_heads_per_workgroup: int = 1
+    window: int = 0  # sliding window: the query sees the last `window` positions (0: all)
 
     @property
     def scale_bits(self) -> int:
@@ -73,8 +74,9 @@ class AttentionShape:
     def name(self) -> str:
         rope = f"_r{self.rope_dim}{'i' if self.rope_layout == 'interleaved' else 'h'}" if self.rope_dim else ""
         walk = f"_w{self.kv_heads_per_workgroup}" if self.kv_heads_per_workgroup > 1 else ""
+        window = f"_sw{self.window}" if self.window else ""
         return (f"sharkport_decode_attention_h{self.heads}_kv{self.kv_heads}_d{self.head_dim}"
-                f"_l{self.layers}_s{self.stride}_x{self.scale_bits:08x}{rope}{walk}{self.c_suffix}")
+                f"_l{self.layers}_s{self.stride}_x{self.scale_bits:08x}{rope}{walk}{window}{self.c_suffix}")
 
     @property
     def c_suffix(self) -> str:
@@ -94,7 +96,8 @@ class AttentionShape:
         blocks'), in their order, as (MLIR value, type)."""
         sizes = (self.heads, self.kv_heads, self.head_dim, self.layers, self.stride, self.rope_dim,
                  int(self.rope_layout == "interleaved"), self.kv_heads_per_workgroup)
-        return [(str(size), "index") for size in sizes] + [(f"0x{self.scale_bits:08X}", "f32")]
+        return [(str(size), "index") for size in sizes] + [(f"0x{self.scale_bits:08X}", "f32"),
+                                                            (str(self.window), "index")]
 
 
 # ---- prefill attention over the prompt's own K and V (matvec.c's sharkport_prefill_attention) ----
@@ -109,6 +112,7 @@ class PrefillShape:
     kv_heads: int
     head_dim: int
     scale: float
+    window: int = 0  # sliding window: position p sees keys p - window < j <= p (0: all earlier ones)
 
     @property
     def scale_bits(self) -> int:
@@ -117,7 +121,9 @@ class PrefillShape:
 
     @property
     def name(self) -> str:
-        return f"sharkport_prefill_attention_h{self.heads}_kv{self.kv_heads}_d{self.head_dim}_x{self.scale_bits:08x}"
+        window = f"_sw{self.window}" if self.window else ""
+        return (f"sharkport_prefill_attention_h{self.heads}_kv{self.kv_heads}_d{self.head_dim}_x{self.scale_bits:08x}"
+                f"{window}")
 
 
 # ---- a decode layer in one dispatch (matvec.c's sharkport_layer_block_<type>), or two
