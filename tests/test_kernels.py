@@ -319,7 +319,8 @@ class _Forms(torch.nn.Module):
         return torch.cat([self.qkv(x), self.swiglu(x), self.add(x, r)], dim=-1)
 
 
-@pytest.mark.parametrize("kind", ROW_KINDS)
+@pytest.mark.parametrize("kind", [k if k in ("Q5_0", "Q4_K") else pytest.param(k, marks=pytest.mark.extended)
+                                  for k in ROW_KINDS])  # the forms are shared code; each type's loop is tested above
 def test_row_kernels_normalize_x_fuse_and_add_the_residual(kind, two_cpus, tmp_path):
     """The fused forms over Q5_0 and K-quant weights: q, k, v of x normalized as transformers'
     LlamaRMSNorm does (80, 48 and 24 rows; Q5_0 interleaved), SwiGLU's gate and up of it (83 rows;
@@ -397,7 +398,8 @@ def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str)
     (128, 128, "half", torch.float32, 1, 14, 0),  # 7: three, three and one
     (64, 64, "interleaved", torch.float16, 4, 2, 0),  # one: no groups
     (64, 64, "interleaved", torch.float16, 1, 6, 20),  # from positions 17 and 50: into pages 1 and 3
-    (40, 32, "half", torch.float32, 4, 6, 40)])  # all 37 positions; 70's from 30, the last of page 1
+    pytest.param(40, 32, "half", torch.float32, 4, 6, 40,  # all 37 positions; 70's from 30, the last of page 1
+                 marks=pytest.mark.extended)])
 def test_decode_attention_equals_torch_sdpa(head_dim, rope_dim, layout, dtype, cpus, H, window, monkeypatch,
                                             tmp_path):
     """The attention kernel (layer 1 of 2, 16 positions a page, H query heads on 2 kv heads,
