@@ -149,8 +149,8 @@ def weight_bytes(dataset: Dataset) -> tuple[int, int]:
     return stored, values
 
 
-# model -> (its name in the table, the type of the GGUF its package ships)
-MODELS = {"smollm2": ("SmolLM2-135M-Instruct", "q4_1"), "gemma3": ("Gemma-3-270M", "q4_k_m")}
+# model -> (its name in the table, the type of the GGUF its package ships, the types measured by default)
+MODELS = {"smollm2": ("SmolLM2-135M-Instruct", "q4_1", "q4_1,q8_0,f16"), "gemma3": ("Gemma-3-270M", "q4_k_m", "q4_k_m")}
 
 
 def model_gguf(model: str, type_name: str, llamacpp_dir: Path) -> Path | None:
@@ -271,7 +271,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds < 1 or args.loads < 1:
         parser.error("--rounds and --loads take a whole number of at least 1")
-    types = (args.types or ("q4_1,q8_0,f16" if args.model == "smollm2" else MODELS[args.model][1])).split(",")
+    types = (args.types or MODELS[args.model][2]).split(",")
     export = dataclasses.replace(EXPORT, matvec_kernels=not args.no_matvec_kernels)
     model = dataclasses.replace(MODEL, kv_cache_dtype=getattr(torch, args.kv_cache_dtype))
     kv = KV_SUFFIX[args.kv_cache_dtype]

@@ -202,6 +202,10 @@ enum { F16 = Q8_0X8 + 1, Q5_0, Q4_K, Q6_K, Q5_0X8, Q5_K };
 // For one row of w with block scales d (and offsets m, Q4_1): cs[i, b] = d[b] xd[i, b] for the
 // MC rows i of x, and in off[i] the offset term: sum over blocks of the block's offset (Q4_0:
 // -8 d, Q5_0: -16 d, Q4_1: m; Q8_0 has none) times the sum of x's block.
+// The offset of a Q4_0 or Q5_0 block (Q5_0X8, Q4_0X8 too) in units of its scale: values are stored
+// plus 8 (4 bits) or plus 16 (5 bits).
+INLINE float offset_scale(int kind) { return kind == Q5_0 || kind == Q5_0X8 ? -16.0f : -8.0f; }
+
 INLINE void row_scales(workspace *ws, int kind, const uint16_t *d, const uint16_t *m, size_t MC, size_t B,
                        float *off) {
   __m256 oacc[MC];
@@ -209,7 +213,7 @@ INLINE void row_scales(workspace *ws, int kind, const uint16_t *d, const uint16_
   size_t b = 0;
   for (; b + 8 <= B; b += 8) {
     __m256 dv = halves8(d + b);
-    __m256 ov = kind == Q4_1 ? halves8(m + b) : _mm256_mul_ps(dv, _mm256_set1_ps(kind == Q5_0 ? -16.0f : -8.0f));
+    __m256 ov = kind == Q4_1 ? halves8(m + b) : _mm256_mul_ps(dv, _mm256_set1_ps(offset_scale(kind)));
     for (size_t i = 0; i < MC; ++i) {
       _mm256_storeu_ps(ws->cs + i * B + b, _mm256_mul_ps(dv, _mm256_loadu_ps(ws->xd + i * B + b)));
       if (kind != Q8_0) oacc[i] = _mm256_fmadd_ps(ov, _mm256_loadu_ps(ws->xs + i * B + b), oacc[i]);
@@ -217,7 +221,7 @@ INLINE void row_scales(workspace *ws, int kind, const uint16_t *d, const uint16_
   }
   for (size_t i = 0; i < MC; ++i) off[i] = kind == Q8_0 ? 0.0f : hsum(oacc[i]);
   for (; b < B; ++b) {
-    float dv = half(d[b]), ov = kind == Q4_1 ? half(m[b]) : (kind == Q5_0 ? -16.0f : -8.0f) * dv;
+    float dv = half(d[b]), ov = kind == Q4_1 ? half(m[b]) : offset_scale(kind) * dv;
     for (size_t i = 0; i < MC; ++i) {
       ws->cs[i * B + b] = dv * ws->xd[i * B + b];
       if (kind != Q8_0) off[i] += ov * ws->xs[i * B + b];
@@ -433,8 +437,7 @@ INLINE void q4_x8(const workspace *ws, int kind, const uint8_t *qs, const uint16
 #undef ROW
     }
     __m256 dv = halves8(d + 8 * b);
-    __m256 mv = kind == Q4_1X8 ? halves8(m + 8 * b)
-                               : _mm256_mul_ps(dv, _mm256_set1_ps(kind == Q5_0X8 ? -16.0f : -8.0f));
+    __m256 mv = kind == Q4_1X8 ? halves8(m + 8 * b) : _mm256_mul_ps(dv, _mm256_set1_ps(offset_scale(kind)));
 #define ROW(i)                                                                                          \
   if (i < MC) {                                                                                         \
     __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(s##i, ones));                                    \
@@ -995,11 +998,11 @@ INLINE void q4k_row(int kind, const workspace *ws, const uint8_t *qs, const uint
     uint8_t sc[8], mn[8];
     k4_scales(scales, sc, mn);
     float ds = half(d[s]), dm = half(dmin[s]);
+    const __m256i h = kind == Q5_K ? load32(qh) : _mm256_setzero_si256(), fifth = _mm256_set1_epi8(16);
     for (size_t c = 0; c < 4; ++c) {
       __m256i v = load32(qs + 32 * c);
       __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
       if (kind == Q5_K) {  // bit 2c (2c + 1) of each byte to bit 4 (each byte's own: the shifts stay within it)
-        __m256i h = load32(qh), fifth = _mm256_set1_epi8(16);
         __m256i h0 = c < 2 ? _mm256_slli_epi16(h, 4 - 2 * (int)c) : _mm256_srli_epi16(h, 2 * (int)c - 4);
         __m256i h1 = c < 2 ? _mm256_slli_epi16(h, 3 - 2 * (int)c) : _mm256_srli_epi16(h, 2 * (int)c - 3);
         lo = _mm256_or_si256(lo, _mm256_and_si256(h0, fifth));
