@@ -84,10 +84,13 @@ class TextGenerator:
 
     @classmethod
     def eager(cls, path: str | os.PathLike, block_seq_stride: int = 32, batch_size: int = 4,
-              max_seq_len: int | None = None, pages: int | None = None) -> "TextGenerator":
+              max_seq_len: int | None = None, pages: int | None = None,
+              matvec_kernels: bool = False) -> "TextGenerator":
         """The PyTorch recipe run directly over a GGUF or .irpa (the reference for compiled
         modules). max_seq_len defaults to the model's context length capped at 1024; pages to
-        enough for `batch_size` sequences of max_seq_len."""
+        enough for `batch_size` sequences of max_seq_len. `matvec_kernels`: with the export's
+        kernel layers, computing in torch what the kernels compute (x quantized to 8 bits for
+        quantized weights): the reference for a module exported with them."""
         from .archive import Dataset
         from .export import ExportConfig, service_config
         from .models import ModelConfig, build_model
@@ -95,6 +98,10 @@ class TextGenerator:
 
         dataset = Dataset.load(path)
         model = build_model(dataset, ModelConfig(block_seq_stride=block_seq_stride))
+        if matvec_kernels:
+            from .export.kernels import use_kernels
+
+            model = use_kernels(model)
         if max_seq_len is None:
             max_seq_len = max(min(model.context_length, 1024) // block_seq_stride, 1) * block_seq_stride
         if pages is None:

@@ -117,6 +117,32 @@ def load_transformers(gguf_file: Path | None = None, model_dir: Path | None = No
     return model.eval()
 
 
+def quantize_linear_inputs(model) -> list:
+    """Makes every nn.Linear of a transformers model multiply its input as the kernels multiply x
+    by quantized weights: quantized to Q8_0 per block of 32 and dequantized, by gguf.quants.
+    Returns the hooks."""
+    import torch
+    from gguf import GGMLQuantizationType, quants
+
+    def hook(module, args):
+        x = args[0]
+        rows = x.detach().float().reshape(-1, x.shape[-1]).numpy()
+        seen = quants.dequantize(quants.quantize(rows, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
+        return (torch.from_numpy(seen).reshape(x.shape).to(x.dtype),)
+
+    return [m.register_forward_pre_hook(hook) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+
+def _all_products_quantize_x(dataset) -> bool:
+    """Whether the kernels multiply x quantized to 8 bits by every matrix of the archive (each has
+    a quantized type a kernel reads), so that transformers' products can be made to as well."""
+    from .kernels import kernel_type
+
+    matrices = [w for name, w in dataset.theta.items() if len(w.shape) == 2
+                and not (name == "token_embd.weight" and "output.weight" in dataset.theta)]
+    return all(kernel_type(w) not in (None, "F16") for w in matrices)
+
+
 def verify_files(vmfb: Path, irpa: Path, config_path: Path, prompts: Sequence[str] = (),
                  token_ids: Sequence[str] = (), max_new_tokens: int = 8, gguf_file: Path | None = None,
                  model_dir: Path | None = None, atol: float | None = None, min_top1: float = 0.99,
@@ -124,12 +150,19 @@ def verify_files(vmfb: Path, irpa: Path, config_path: Path, prompts: Sequence[st
     """`verify` on a compiled module and the eager recipe of the archive it was exported from
     (and transformers reading `gguf_file` or `model_dir`). `token_ids` are prompts as
     comma-separated ids, `prompts` texts for the archive's tokenizer. Returns the comparisons
-    and the atol they were held to (default: ATOL by the module's KV cache type)."""
+    and the atol they were held to (default: ATOL by the module's KV cache type).
+
+    A module exported with the x86-64 kernels multiplies x quantized to 8 bits by quantized
+    weights; the eager recipe then runs with the kernel layers, computing as they do, and
+    transformers' linear layers take their inputs so quantized (quantize_linear_inputs) where the
+    kernels read every matrix of the archive."""
     import torch
 
     from .api import encode_prompt
     from .archive import Dataset
     from .export.abi import ServiceConfig
+    from .export.kernels import use_kernels
+    from .kernels import referenced_by
     from .models import ModelConfig, build_model
     from .runtime.eager import EagerSession
     from .runtime.session import IreeSession
@@ -153,6 +186,16 @@ def verify_files(vmfb: Path, irpa: Path, config_path: Path, prompts: Sequence[st
     compiled = IreeSession(vmfb, irpa, config, pages=pages, device=device)
     model = build_model(dataset, ModelConfig(block_seq_stride=config.block_seq_stride,
                                              kv_cache_dtype=getattr(torch, config.kv_cache_dtype)))
-    eager = EagerSession(model, config, pages=pages)
     hf_model = load_transformers(gguf_file, model_dir) if gguf_file or model_dir else None
+    if referenced_by(vmfb):
+        model = use_kernels(model)
+        note = f"{vmfb}: exported with the x86-64 kernels (x quantized to 8 bits for quantized weights); the eager " \
+               "recipe computes as they do"
+        if hf_model is not None and _all_products_quantize_x(dataset):
+            quantize_linear_inputs(hf_model)
+            note += ", and so do transformers' linear layers"
+        elif hf_model is not None:
+            note += "; transformers multiplies in float32 (so its logits differ by the 8-bit activations)"
+        log(note)
+    eager = EagerSession(model, config, pages=pages)
     return verify(compiled, eager, ids, max_new_tokens, hf_model, atol, min_top1, log), atol

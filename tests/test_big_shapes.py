@@ -1,9 +1,10 @@
 """The layer shapes of the models people download, at Q4_K_M's block types (random blocks written
 with gguf.GGUFWriter): one layer of Qwen2.5-0.5B (d 896, so llama.cpp stores most matrices as
 Q5_0, with Q6_K/Q4_K down projections, q/k/v biases and an untied Q8_0 output of 151936 rows) and
-one of Llama-3.2-3B (d 3072: Q4_K and Q6_K throughout). Each exports with the default target and
-with the x86 kernels, compiles (iree-compile once refused these with a stack allocation past
-32 KiB), and the compiled module's teacher-forced top-1 agrees with the eager recipe's."""
+one of Llama-3.2-3B (d 3072: Q4_K and Q6_K throughout). Each exports for the default target with
+IREE's code alone and with the x86 kernels, compiles (iree-compile once refused these with a stack allocation past
+32 KiB), and the compiled module's teacher-forced top-1 agrees with the eager recipe's (with the
+kernels, the recipe with the kernel layers computing in torch)."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def _top1(generator, tokens: list[int]):
     return logits.argmax(-1), logits
 
 
-@pytest.mark.parametrize("kernels", [False, True], ids=["default", "matvec-kernels"])
+@pytest.mark.parametrize("kernels", [False, True], ids=["no-matvec-kernels", "matvec-kernels"])
 @pytest.mark.parametrize("name", SHAPES)
 def test_downloaded_shapes_compile_and_agree_with_the_recipe(tmp_path, name, kernels):
     from sharkport.api import TextGenerator
@@ -69,9 +70,17 @@ def test_downloaded_shapes_compile_and_agree_with_the_recipe(tmp_path, name, ker
     out = {k: tmp_path / f"m.{k}" for k in ("mlir", "json", "vmfb")}
     run("sharkport.export", "--irpa-file", str(irpa), "--output-mlir", str(out["mlir"]),
         "--output-config", str(out["json"]), "--output-vmfb", str(out["vmfb"]), "--bs-prefill", "1",
-        "--bs-decode", "1", "--max-seq-len", "256", *(["--matvec-kernels"] if kernels else []))
+        "--bs-decode", "1", "--max-seq-len", "256", "--matvec-kernels" if kernels else "--no-matvec-kernels")
     tokens = np.random.default_rng(1).integers(0, SHAPES[name][3], 64).tolist()
     compiled, compiled_logits = _top1(TextGenerator.from_files(out["vmfb"], irpa, out["json"]), tokens)
-    eager, eager_logits = _top1(TextGenerator.eager(irpa, block_seq_stride=32, batch_size=1, max_seq_len=256), tokens)
+    # with the kernels, the reference computes as they do (x quantized to 8 bits for the products)
+    eager, eager_logits = _top1(TextGenerator.eager(irpa, block_seq_stride=32, batch_size=1, max_seq_len=256,
+                                                    matvec_kernels=kernels), tokens)
     assert (compiled == eager).mean() >= 0.99
-    assert np.abs(compiled_logits - eager_logits).max() <= 1e-3 * np.abs(eager_logits).max()
+    diff, scale = np.abs(compiled_logits - eager_logits).max(-1), np.abs(eager_logits).max()  # diff by position
+    if kernels:
+        # a float32 rounding apart before x is quantized can put one of its values a step apart
+        # (1/127 of its block's max), which moves that position's logits by up to about 1%
+        assert np.median(diff) <= 1e-3 * scale and diff.max() <= 2e-2 * scale, (np.median(diff), diff.max(), scale)
+    else:
+        assert diff.max() <= 1e-3 * scale

@@ -68,6 +68,17 @@ def test_cpu_kernels_never_enter_a_gpu_module(tmp_path):
     assert not (tmp_path / "m.vmfb").exists()
 
 
+def test_kernels_by_default_only_where_they_apply():
+    """An export not told takes the x86-64 kernels for a CPU target on one device, where this
+    machine builds them; never for a GPU target or a tensor-parallel export."""
+    from sharkport import kernels
+    from sharkport.compile.build import kernels_apply
+
+    assert kernels_apply("llvm-cpu", True) == kernels_apply("llvm-cpu-lean", True) == kernels.available()
+    assert not kernels_apply("llvm-cpu", False)
+    assert not any(kernels_apply(spec, True) for spec in ("cuda", "rocm:gfx942", "vulkan"))
+
+
 def test_export_cli_refuses_bad_targets(tmp_path):
     base = [sys.executable, "-m", "sharkport.export", "--gguf-file", str(tmp_path / "x.gguf"),
             "--output-mlir", str(tmp_path / "x.mlir"), "--output-config", str(tmp_path / "x.json")]

@@ -26,6 +26,7 @@ from sharkport.export.kernels import KernelLinear, KernelRMSNorm, fused_product,
 from sharkport.layers import Linear, RMSNorm
 from sharkport.archive.quantize import quantize_array
 from sharkport.quant import BLOCK_TYPES
+from sharkport.verify import quantize_linear_inputs
 from run_cli import run
 from tiny_models import TINY_EXPORT, decode_ms, exact_cache
 
@@ -175,6 +176,44 @@ def test_row_kernels_equal_gguf_dequantization(rows, n, k, isa, two_cpus, tmp_pa
         dense = quants.dequantize(raw, GGMLQuantizationType[kind]).astype(np.float64)
         want = _x_seen(kind, x.numpy()).astype(np.float64) @ dense.T
         np.testing.assert_allclose(part, want, rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=kind)
+
+
+def test_products_over_a_dynamic_row_count_equal_gguf_dequantization(isa, two_cpus, tmp_path):
+    """Prefill's products: x of a dynamic row count, every kernel type in one module, run at 21
+    rows (two chunks of eight and five left) and at 3. Q8_0, Q4_1 and Q5_0 of 80 rows go
+    interleaved, the others a row at a time."""
+    import iree.runtime as rt
+    from iree.turbine import aot
+
+    from sharkport.compile import compile_mlir
+
+    rng = np.random.default_rng(0)
+    n, k = 80, 512
+    kinds = KINDS + ROW_KINDS
+    raws = [quantize_array(rng.standard_normal((n, k)).astype(np.float32), kind) if kind in KINDS
+            else _random_blocks(kind, n, k, rng) for kind in kinds]
+    weights = [torch.from_numpy(raw) if kind == "F16" else weight_from_raw(kind, (n, k), raw)
+               for kind, raw in zip(kinds, raws)]
+    module, mlir, vmfb = _Products(weights), tmp_path / "m.mlir", tmp_path / "m.vmfb"
+    exported = aot.export(module, args=(torch.zeros(21, k),), dynamic_shapes={"x": {0: torch.export.Dim("rows")}})
+    exported.save_mlir(mlir)
+    text = mlir.read_text()
+    for kind in kinds:
+        name = f"sharkport_matvec_{kind.lower()}" + ("x8" if kind in kernels.INTERLEAVED else "")
+        assert f"@{name}(" in text, f"{name} is not called"
+    compile_mlir(mlir, vmfb)
+    config = rt.Config("local-task")
+    ctx = rt.SystemContext(config=config)
+    ctx.add_vm_module(rt.VmModule.mmap(config.vm_instance, str(vmfb)))
+    for rows in (21, 3):
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        got = np.array(ctx.modules.module["main"](rt.asdevicearray(config.device, x)).to_host(), copy=True)
+        for kind, raw, part in zip(kinds, raws, np.split(got, len(kinds), axis=1)):
+            dense = raw.astype(np.float64) if kind == "F16" else \
+                quants.dequantize(raw, GGMLQuantizationType[kind]).astype(np.float64)
+            want = _x_seen(kind, x).astype(np.float64) @ dense.T
+            np.testing.assert_allclose(part, want, rtol=0, atol=1e-5 * np.abs(want).max(),
+                                       err_msg=f"{kind}, {rows} rows")
 
 
 @pytest.mark.parametrize("mode", ["loads", "none"])
@@ -536,10 +575,10 @@ def test_prefill_attention_equals_torch_sdpa(head_dim, window, tmp_path):
                                    err_msg=f"{S} positions")
 
 
-def test_many_rows_keep_the_traced_product():
-    """Beyond MAX_ROWS rows (prefill), and for x not in float32, no kernel is used."""
+def test_x_not_in_float32_keeps_the_traced_product():
+    """Rows of x beyond decode's (prefill's) take the kernel; x not in float32 does not."""
     w = torch.zeros(32, 64, dtype=torch.float16)
-    assert kernels.matvec(torch.zeros(kernels.MAX_ROWS + 1, 64), w) is None
+    assert kernels.matvec(torch.zeros(kernels.MAX_ROWS + 1, 64), w) is not None
     assert kernels.matvec(torch.zeros(2, 64, dtype=torch.float16), w) is None
 
 
@@ -559,18 +598,6 @@ def quantized_tiny(tiny, tmp_path_factory):
         return made[type_name]
 
     return get
-
-
-def _q8_0_inputs(model: torch.nn.Module) -> list:
-    """Makes every nn.Linear of a transformers model multiply its input quantized to Q8_0 and
-    dequantized by gguf.quants, as the kernels multiply x by quantized weights. Returns the hooks."""
-    def hook(module, args):
-        x = args[0]
-        rows = x.detach().reshape(-1, x.shape[-1]).numpy()
-        seen = quants.dequantize(quants.quantize(rows, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
-        return (torch.from_numpy(seen).reshape(x.shape),)
-
-    return [m.register_forward_pre_hook(hook) for m in model.modules() if isinstance(m, torch.nn.Linear)]
 
 
 @pytest.fixture(scope="module")
@@ -600,8 +627,9 @@ def kernel_module(quantized_tiny, tmp_path_factory):
             save_export(output, service, out / "m.mlir", out / "m.json")
             mlir = (out / "m.mlir").read_text()
             cache = "_f16" if cache_dtype == torch.float16 else ""
+            # decode's layer, its output projection; prefill's products (decode's are in the layer) and attention
             for kernel in (rf"sharkport_layer_block_{type_name}(x8)?{cache}\(", f"sharkport_matvec_norm_{type_name}",
-                           r"sharkport_prefill_attention\("):
+                           rf"sharkport_matvec_swiglu_{type_name}(x8)?\(", r"sharkport_prefill_attention\("):
                 assert re.search(kernel, mlir), f"{kernel} is not called: the traced form was taken"
             assert "sharkport_rms_norm" not in mlir, "a decode norm took a dispatch of its own"
             compile_mlir(out / "m.mlir", out / "m.vmfb")
@@ -617,9 +645,9 @@ def test_tiny_llama_decodes_through_the_kernels_as_transformers(kernel_module, t
     """Prefill 5 tokens, then teacher-forced decode at batch 4 (every row the same sequence, on
     its own pages; products (q, k, v in one dispatch, gate and up with SiLU in one), rotary, the
     cache write and attention through the kernels, the 4 query heads on one kv head, positions
-    over two pages): each step's logits equal transformers' over the same quantized GGUF, with
-    its prefill in float32 and, for quantized weights, its decode steps multiplying x quantized to
-    Q8_0 by gguf.quants (the kernels' 8-bit products; prefill keeps the float32 product). With a
+    over two pages): each step's logits equal transformers' over the same quantized GGUF, for
+    quantized weights with its prefill and decode multiplying x quantized to Q8_0 by gguf.quants
+    (the kernels' 8-bit products, prefill's over its dynamic row count included). With a
     float16 KV cache (`--kv-cache-dtype float16`), within what rounding K and V to float16 moves
     them (3e-3 of the max logit; float32: 2e-4)."""
     from transformers import AutoModelForCausalLM
@@ -634,8 +662,8 @@ def test_tiny_llama_decodes_through_the_kernels_as_transformers(kernel_module, t
     hf = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     want = {}
     with torch.no_grad():
+        hooks = quantize_linear_inputs(hf) if type_name != "f16" else []
         past = hf(torch.tensor([ids[:prompt]]), use_cache=True).cache
-        hooks = _q8_0_inputs(hf) if type_name != "f16" else []
         for pos in range(prompt, len(ids)):
             out = hf(torch.tensor([[ids[pos]]]), cache=past, use_cache=True)
             past, want[pos] = out.cache, out.logits[0, -1].numpy()
@@ -789,23 +817,24 @@ def test_blocks_compute_what_the_five_kernels_do_on_any_worker_count(kernel_modu
 def test_layer_block_run_eagerly_decodes_as_compiled(kernel_module):
     """The layer block's op run eagerly (what tracing falls back on outside IREE: the products as
     the kernels compute them, attention writing the cache in place) gives the compiled module's
-    decode logits, step after step at batch 4 over two pages, after the same prefill."""
+    decode logits, step after step at batch 4 over two pages, after the same prefill (the kernels'
+    products run eagerly too)."""
     from sharkport.archive import Dataset
     from sharkport.models import build_model
     from sharkport.runtime.session import IreeSession
 
     vmfb, irpa, config_json, _ = kernel_module("q4_1")
     session = IreeSession(vmfb, irpa, config_json, pages=TINY_EXPORT.device_block_count)
-    model = build_model(Dataset.load(irpa), exact_cache())  # as kernel_module("q4_1")
-    kernel_model = use_kernels(build_model(Dataset.load(irpa), exact_cache()))
-    cache = model.new_cache(TINY_EXPORT.device_block_count)
+    kernel_model = use_kernels(build_model(Dataset.load(irpa), exact_cache()))  # as kernel_module("q4_1")
+    cache = kernel_model.new_cache(TINY_EXPORT.device_block_count)
     ids = [3, 99, 14, 200, 7, 7, 51, 128, 60, 2, 31, 90, 17, 5, 250, 33, 8, 64, 101, 12]
     pages = np.arange(4, dtype=np.int64)[:, None] * 2 + np.arange(2)
     tokens = np.zeros((4, TINY_EXPORT.block_seq_stride), np.int64)
     tokens[:, :5] = ids[:5]
     session.prefill(tokens, np.full(4, 5), pages[:, :1].copy())
     with torch.no_grad():
-        model.prefill(torch.from_numpy(tokens), torch.full((4,), 5), torch.from_numpy(pages[:, :1].copy()), cache)
+        kernel_model.prefill(torch.from_numpy(tokens), torch.full((4,), 5), torch.from_numpy(pages[:, :1].copy()),
+                             cache)
         for pos in range(5, len(ids)):
             args = (np.full((4, 1), ids[pos]), np.full(4, pos + 1), np.full(4, pos), pages[:, :pos // 16 + 1].copy())
             want = np.array(session.decode(*args), copy=True)

@@ -61,3 +61,28 @@ def test_float16_cache_module_passes_within_its_rounding(tiny, irpa_of, tmp_path
     assert status == 0 and out.rstrip().splitlines()[-1] == "PASS (atol 0.05, top-1 agreement >= 99%)"
     diff = rows["eager vs transformers"][1]
     assert 1e-4 < diff < verify.ATOL["float16"], diff
+
+
+@pytest.mark.skipif(not __import__("sharkport.kernels").kernels.available(), reason="no C compiler for the kernels")
+def test_default_export_through_the_kernels_passes(tiny, tmp_path, capsys):
+    """`sharkport export` with no performance flag multiplies through the x86-64 kernels on a CPU
+    target, x quantized to 8 bits by Q4_1 weights; verify compares the module with the recipe
+    computing as the kernels do and with transformers whose linear layers take inputs quantized
+    by gguf.quants, and it passes."""
+    from run_cli import run
+
+    from sharkport import kernels
+
+    irpa, gguf, out = tmp_path / "q.irpa", tmp_path / "gguf" / "q.gguf", tmp_path / "m"
+    gguf.parent.mkdir()
+    run("sharkport.tools.quantize", "--gguf-file", str(tiny["gqa-untied"].gguf_path), "--type", "q4_1",
+        "--output-irpa", str(irpa), "--output-gguf", str(gguf))
+    files = {k: out / f"m.{k}" for k in ("mlir", "json", "vmfb")}
+    run("sharkport.export", "--irpa-file", str(irpa), "--bs-prefill", "1", "--bs-decode", "1",
+        *(a for k in files for a in (f"--output-{'config' if k == 'json' else k}", str(files[k]))))
+    assert kernels.referenced_by(files["vmfb"])
+    status = verify.main(["--vmfb", str(files["vmfb"]), "--irpa-file", str(irpa), "--config", str(files["json"]),
+                          "--token-ids", token_ids(40, 1), "--gguf-file", str(gguf), "--max-new-tokens", "6"])
+    text = capsys.readouterr().out
+    assert "exported with the x86-64 kernels" in text and "so do transformers' linear layers" in text, text
+    assert status == 0, text

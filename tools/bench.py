@@ -27,6 +27,9 @@ and measured in interleaved rounds, so a busy machine slows them alike:
   dequantizes and packs every weight once at load), and decode tokens/s as a share of each, and
   the stored weights' bytes decode bs1 reads a second (the probe's rate swings between rounds here,
   29 to 64 GB/s, where decode's does not: read that row against the probe's range);
+- peak resident memory serving each module (loaded with 64 cache pages, a 128-token prefill and 8
+  decode steps at batch 1 and 4: tools/peak_rss.py, a fresh process each), beside the memory
+  target (the archive's bytes x 1.1 + the KV cache + 300 MB), and llama.cpp's on its GGUF;
 - decode at batch 1 with 16 and 1024 pages allocated, positions 64 onwards (the first type only,
   --loads sessions of each);
 - `transformers` eager decode (float32, its own KV cache) at batch 1, in the same rounds;
@@ -49,6 +52,7 @@ import platform
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -70,6 +74,7 @@ from sharkport.runtime.session import IreeSession
 
 PROMPT_LEN = 128
 STRIDE = 32
+PAGES = 64  # KV cache pages a measured session allocates
 EXPORT = ExportConfig(bs_prefill=(1, 4), bs_decode=(1, 4), block_seq_stride=STRIDE,
                       device_block_count=64, max_seq_len=2048, matvec_kernels=True)
 # prefill returns only the logits the runner uses (export --prefill-final-logits)
@@ -179,7 +184,7 @@ def make_archive(model: str, type_name: str, path: Path, llamacpp_dir: Path) -> 
 class Subject:
     """One compiled type: its session over `pages` pages and its decode position."""
 
-    def __init__(self, vmfb: Path, irpa: Path, cfg: Path, pages: int = 64, start: int = PROMPT_LEN):
+    def __init__(self, vmfb: Path, irpa: Path, cfg: Path, pages: int = PAGES, start: int = PROMPT_LEN):
         self.session = IreeSession(vmfb, irpa, cfg, pages=pages)
         vocab = self.session.config.vocab_size
         self.tokens = np.random.default_rng(0).integers(0, vocab, (4, PROMPT_LEN), dtype=np.int64)
@@ -226,16 +231,35 @@ class Transformers:
         return timed(step)[1]
 
 
+def llamacpp_gguf(model: str, type_name: str, cache_dir: Path) -> Path:
+    """The GGUF llama.cpp measures for a type: model_gguf's, else made from the packaged file by its
+    quantizer."""
+    return model_gguf(model, type_name, cache_dir) or llamacpp.quantized_gguf(packaged_gguf(model), type_name,
+                                                                              cache_dir)
+
+
 def llamacpp_subjects(model: str, types: list[str], cache_dir: Path) -> tuple[dict[str, "llamacpp.Subject"], str]:
-    """llama.cpp loading each type's GGUF (model_gguf's, else made from the packaged file by its
-    quantizer), or none with the reason."""
+    """llama.cpp loading each type's GGUF (llamacpp_gguf), or none with the reason."""
     os.environ.setdefault("OMP_WAIT_POLICY", "passive")
     try:
-        return {t: llamacpp.Subject(model_gguf(model, t, cache_dir)
-                                    or llamacpp.quantized_gguf(packaged_gguf(model), t, cache_dir),
-                                    threads=os.cpu_count()) for t in types}, ""
+        return {t: llamacpp.Subject(llamacpp_gguf(model, t, cache_dir), threads=os.cpu_count()) for t in types}, ""
     except llamacpp.LlamaCppUnavailable as e:
         return {}, str(e)
+
+
+def peak_rss(*args: str | Path) -> int:
+    """Peak resident bytes of a fresh process serving a model (tools/peak_rss.py `args`)."""
+    out = subprocess.run([sys.executable, str(Path(__file__).with_name("peak_rss.py")), *map(str, args)],
+                         check=True, capture_output=True, text=True).stdout
+    return int(out.split()[-1])
+
+
+def kv_cache_bytes(cfg: Path, pages: int) -> int:
+    """Bytes of the KV cache a session of `pages` pages allocates for the module of config `cfg`."""
+    from sharkport.export.abi import ServiceConfig
+
+    config = ServiceConfig.load(cfg)
+    return pages * config.page_elems * np.dtype(config.kv_cache_dtype).itemsize
 
 
 def emit(lines: list[str], markdown: Path | None) -> None:
@@ -306,6 +330,17 @@ def main() -> None:
     hf_times: list[float] = []
     llama, no_llama = (({}, "--no-llamacpp") if args.no_llamacpp
                        else llamacpp_subjects(args.model, types, w / "llamacpp"))
+    # Memory: each module, and llama.cpp on each GGUF, served by a fresh process of its own
+    for t in types:
+        irpa, cfg, vmfb = files(t, "irpa", "json", "vmfb")
+        rss = peak_rss("sharkport", vmfb, irpa, cfg, "--pages", PAGES)
+        bound = 1.1 * irpa.stat().st_size + kv_cache_bytes(cfg, PAGES) + 300e6
+        cols[t]["peak RSS serving, MB"] = f"{rss / 1e6:.0f}"
+        cols[t]["memory target (archive x 1.1 + KV cache + 300 MB), MB"] = f"{bound / 1e6:.0f}"
+        if llama:
+            cols[t]["llama.cpp peak RSS serving, MB"] = \
+                f"{peak_rss('llama.cpp', llamacpp_gguf(args.model, t, w / 'llamacpp')) / 1e6:.0f}"
+
     times = {(t, k): [] for t in types for k in ("prefill", 1, 4, "llama.cpp prefill", "llama.cpp", "llama.cpp bs4")}
     by_load = {(t, i): [] for t in types for i in range(args.loads)}  # decode bs1 steps of each load
     bandwidths: list[float] = []

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from sharkport import cli, kernels
+from sharkport import cli
 from sharkport.errors import cli_main
 from sharkport.packaged import packaged_gguf
 
@@ -52,8 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     step("export + compile",
          ["export", "--irpa-file", str(irpa), "--output-mlir", str(mlir), "--output-config", str(config),
           "--output-vmfb", str(vmfb), "--bs-prefill", "1", "--bs-decode", "1",
-          "--max-seq-len", "2048", "--device-block-count", "64"]
-         + (["--matvec-kernels"] if kernels.available() else []),  # decode reads weights as stored
+          "--max-seq-len", "2048", "--device-block-count", "64"],
          vmfb, args.force or not config.exists())
     run_argv = ["run", "--vmfb", str(vmfb), "--irpa-file", str(irpa), "--config", str(config),
                 "--max-new-tokens", str(args.max_new_tokens)]

@@ -17,19 +17,30 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def kernels_apply(target: str, one_device: bool) -> bool:
+    """Whether an export takes the x86-64 kernels when not told: for a CPU target, on one device
+    (tensor-parallel exports keep IREE's code), where this machine builds them (an x86-64 host with
+    a C compiler)."""
+    from ..kernels import available
+
+    return not resolve_target(target).gpu and one_device and available()
+
+
 def export_files(source: Path, output_mlir: Path, output_config: Path, output_vmfb: Path | None = None, *,
                  bs_prefill: tuple[int, ...] = (1, 4), bs_decode: tuple[int, ...] = (1, 4),
                  block_seq_stride: int = 32, device_block_count: int = 256, max_seq_len: int | None = None,
                  tensor_parallelism_size: int | None = None, output_irpa: Path | None = None,
                  output_tokenizer_dir: Path | None = None, activation_dtype: str = "float32",
-                 kv_cache_dtype: str = "float16", prefill_final_logits: bool = False, matvec_kernels: bool = False,
+                 kv_cache_dtype: str = "float16", prefill_final_logits: bool = False,
+                 matvec_kernels: bool | None = None,
                  target: str = "llvm-cpu", iree_flags: Sequence[str] = (),
                  log: Callable[[str], None] = _log) -> list[Path]:
     """Exports the model at `source` (a GGUF file, archive or checkpoint folder) to `output_mlir`
     and `output_config` and, with `output_vmfb`, compiles it for `target` (with `iree_flags`
     passed to iree-compile). `max_seq_len` defaults to the model's context length. With
     `tensor_parallelism_size` N > 1 the model is sharded into `output_irpa` and its rank files.
-    Returns the files written: all of them once everything is done, or none."""
+    `matvec_kernels` None: the kernels where they apply (kernels_apply). Returns the files written:
+    all of them once everything is done, or none."""
     if matvec_kernels and resolve_target(target).gpu:
         raise SharkportError(f"--matvec-kernels are x86-64 CPU code; leave them out for --target {target}")
 
@@ -42,12 +53,16 @@ def export_files(source: Path, output_mlir: Path, output_config: Path, output_vm
     from ..models import ModelConfig
     from ..parallel.archive import open_or_shard
 
-    if matvec_kernels:  # builds the kernels' object now: a missing C compiler fails before the export
-        from ..kernels import object_path
+    from ..kernels import object_path
 
+    if matvec_kernels:  # builds the kernels' object now: a missing C compiler fails before the export
         object_path()
     dataset = Dataset.load(source)
     sharded = open_or_shard(dataset, tensor_parallelism_size, output_irpa, log)  # None: unsharded
+    if matvec_kernels is None:
+        matvec_kernels = kernels_apply(target, sharded is None)
+        if matvec_kernels:
+            object_path()
     if output_tokenizer_dir:  # first: it is quick and fails before the slow export does
         from ..tokenizer import write_hf_tokenizer
 
@@ -63,7 +78,8 @@ def export_files(source: Path, output_mlir: Path, output_config: Path, output_vm
                                kv_cache_dtype=getattr(torch, kv_cache_dtype),
                                prefill_final_logits=prefill_final_logits)
     t0 = time.perf_counter()
-    log(f"exporting {dataset.path.name}: prefill {list(config.bs_prefill)}, decode {list(config.bs_decode)}")
+    log(f"exporting {dataset.path.name}: prefill {list(config.bs_prefill)}, decode {list(config.bs_decode)}"
+        + (" with the x86-64 kernels" if matvec_kernels else ""))
     if sharded is None:
         output, service = export_model(dataset, config, model_config)
     else:

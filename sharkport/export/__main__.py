@@ -50,19 +50,23 @@ def main(argv: list[str] | None = None) -> int:
                              "memory and twice the bytes decode attention reads")
     parser.add_argument("--prefill-final-logits", action="store_true", help="prefill returns only each sequence's last "
                         "logits [N, 1, V], skipping the output projection of the other positions")
-    parser.add_argument("--matvec-kernels", action="store_true",
-                        help="decode runs hand-written x86-64 kernels (AVX2; AVX-512 VNNI where the exporting CPU "
-                             "has it, unless SHARKPORT_KERNEL_ISA=avx2), built by the system C compiler "
-                             "and linked by iree-compile: products with Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/Q5_K/Q6_K/F16 "
-                             "weights read as "
-                             "stored (with quantized weights x is quantized to 8 bits per block of 32, as "
-                             "llama.cpp does), a llama layer in one dispatch with its norms, rotary, the cache "
-                             "write and attention over the pages; prefill's causal attention too. Several times "
-                             "faster decode on llvm-cpu (docs/performance.md); the MLIR then compiles only for "
-                             "x86-64 CPUs")
+    parser.add_argument("--matvec-kernels", action=argparse.BooleanOptionalAction, default=None,
+                        help="hand-written x86-64 kernels (AVX2; AVX-512 VNNI where the exporting CPU has it, "
+                             "unless SHARKPORT_KERNEL_ISA=avx2), built by the system C compiler and linked by "
+                             "iree-compile, for decode and prefill: products with Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/Q5_K/"
+                             "Q6_K/F16 weights read as stored (with quantized weights x is quantized to 8 bits "
+                             "per block of 32, as llama.cpp does), so the module holds no float32 copy of them; "
+                             "in decode a llama layer in one dispatch with its norms, rotary, the cache write and "
+                             "attention over the pages; prefill's causal attention. Several times faster decode, "
+                             "faster prefill with quantized weights, a faster compile and about half the memory "
+                             "(docs/performance.md); the "
+                             "MLIR then compiles only for x86-64 CPUs. Default: on for a CPU target on one device "
+                             "where a C compiler is on PATH, else off; --no-matvec-kernels: IREE's code only")
     parser.add_argument("--target", type=_target, default="llvm-cpu", metavar="TARGET",
-                        help="what --output-vmfb runs on (default llvm-cpu: the host CPU, weights dequantized and "
-                             "packed at load, 4 bytes each in memory; llvm-cpu-lean keeps them as stored, slower). "
+                        help="what --output-vmfb runs on (default llvm-cpu: the host CPU; weights that IREE's "
+                             "own code multiplies by (all of them with --no-matvec-kernels) are dequantized and "
+                             "packed at load, 4 bytes each in memory, where llvm-cpu-lean keeps them as stored, "
+                             "slower). "
                              "GPUs: BACKEND or BACKEND:CHIP, " + ", ".join(
                                  f"{b}[:{g.default_chip}]" for b, g in GPU_BACKENDS.items())
                              + " (the chip in brackets is the default; docs/devices.md); weights stay as stored "

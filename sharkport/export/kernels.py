@@ -7,9 +7,10 @@ Q/K norms and no fused projection is one dispatch in decode (`kernels.layer_bloc
 (`attention_block`, `ffn_block`); elsewhere a norm goes inside the products after it and a
 residual add inside the product before it (`matvec_norm`, `qkv_norm`, `swiglu_norm`,
 `matvec_add`), and decode's remaining norms are one dispatch region each (ops.regions). What the
-kernels take of the tensors themselves (decode's few static rows, float32, the weight types and
-sizes matvec.c handles) is checked where they are called: each sharkport.kernels function
-returns None where it does not apply, and the module computes as the plain one."""
+kernels take of the tensors themselves (float32, the weight types and sizes matvec.c handles,
+decode's few static rows for the blocks and fused norms) is checked where they are called: each
+sharkport.kernels function returns None where it does not apply, and the module computes as the
+plain one."""
 
 from __future__ import annotations
 
@@ -66,9 +67,9 @@ class KernelRMSNorm(torch.nn.Module):
 
 
 class KernelLinear(torch.nn.Module):
-    """x @ w.T (+ bias), reading quantized and float16 weights as stored in decode
-    (kernels.matvec); with `norm`, of norm(x) normalized inside the product, and with `residual`
-    (and no bias) plus the residual added inside it."""
+    """x @ w.T (+ bias), reading quantized and float16 weights as stored (kernels.matvec); with
+    `norm`, of norm(x) normalized inside the product (decode), and with `residual` (and no bias)
+    plus the residual added inside it."""
 
     def __init__(self, plain: Linear):
         super().__init__()

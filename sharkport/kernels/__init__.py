@@ -1,7 +1,7 @@
-"""Hand-written CPU kernels linked into exported modules (IREE custom dispatches): decode's
-products and attention, prefill's attention.
+"""Hand-written CPU kernels linked into exported modules (IREE custom dispatches): the
+products of decode and prefill, and their attention.
 
-`matvec.c` computes x [M, K] @ w[N, K].T for a few rows M reading w as stored: Q8_0, Q4_0, Q4_1,
+`matvec.c` computes x [M, K] @ w[N, K].T reading w as stored: Q8_0, Q4_0, Q4_1,
 Q5_0, Q4_K, Q5_K and Q6_K planes or float16 (Q8_0, Q4 and Q5_0 matrices of a row count that is a
 multiple of 8 through a copy with their rows interleaved eight at a time, which the module makes
 once as it loads: layout.interleave_rows); also q, k, v of one x in one dispatch (`matvec_qkv`), SwiGLU's
@@ -18,9 +18,11 @@ weights with the Q8_0-dequantized x (`quantized_x`), about 1e-3 relative from th
 product. IREE 3.9 generates no code that multiplies by quantized weights at memory speed
 (docs/performance.md); the export swaps a model's layers for modules that call these functions
 (sharkport.export.kernels). Each function returns None where its kernel does not apply (a
-dynamic or large M, other dtypes, weight types or sizes), and the caller computes as before.
-Products over a dynamic number of rows (prefill) keep the traced form: IREE's data-tiled matmuls
-are fast there.
+dynamic M where a kernel needs a static one, other dtypes, weight types or sizes), and the
+caller computes as before. Prefill's products take the kernels too, over its dynamic number of
+tokens (x quantized eight rows at a time, each workgroup's weight rows read once per eight rows,
+from the caches): faster than IREE's dequantizing matmuls on quantized weights, and the module
+then holds no float32 copy of a weight (docs/performance.md).
 
 `build` compiles matvec.c for the exporting machine's x86-64 instruction set; `layout` holds
 what the kernels take and how their work is split into workgroups; `ops` makes each kernel a
@@ -67,8 +69,8 @@ def kernel_type(w) -> str | None:
 
 
 def decode_rows(x) -> bool:
-    """Whether x [M, ...] is decode's: float32, a static M of at most MAX_ROWS. Such products take
-    the kernels, and such RMSNorms one dispatch region (ops.regions)."""
+    """Whether x [M, ...] is decode's: float32, a static M of at most MAX_ROWS. Such RMSNorms are
+    one dispatch region (ops.regions), and such a layer can be one block kernel."""
     import torch
 
     rows = x.shape[0]
@@ -77,15 +79,17 @@ def decode_rows(x) -> bool:
 
 def _product(form: str, x, weights, norm=None, residual=None):
     """x [M, K] float32 times `weights` through the kernel of `form` (see kernels.ops.FORMS), or
-    None where none applies: for a dynamic or large M, other dtypes and weight
-    types, matrices of different types. `norm` (its weight [K] float32, eps): x RMS-normalized
-    first, where M * K <= MAX_NORMED; `residual` [M, N] float32: added to the product."""
+    None where none applies: other dtypes and weight types, matrices of different types, rows
+    longer than MAX_K. M may be dynamic (prefill's tokens). `norm` (its weight [K] float32, eps): x
+    RMS-normalized first, for a static M with M * K <= MAX_NORMED; `residual` [M, N] float32: added
+    to the product."""
     import torch
 
-    if not (decode_rows(x) and x.shape[1] <= MAX_K):
+    M, K = x.shape
+    if not (x.dtype == torch.float32 and isinstance(K, int) and K <= MAX_K):
         return None
-    if norm is not None and not (x.shape[0] * x.shape[1] <= MAX_NORMED and norm[0].dtype == torch.float32
-                                 and tuple(norm[0].shape) == (x.shape[1],)):
+    if norm is not None and not (isinstance(M, int) and M * K <= MAX_NORMED and norm[0].dtype == torch.float32
+                                 and tuple(norm[0].shape) == (K,)):
         return None
     if residual is not None and residual.dtype != torch.float32:
         return None
@@ -133,9 +137,11 @@ def matvec_qkv(x, wq, wk, wv, norm=None):
     y = _product("qkv" if norm is None else "qkv_norm", x, [wq, wk, wv], norm)
     if y is None:
         return None
-    flat, rows = y.flatten(), x.shape[0]
-    sizes = [rows * w.shape[0] for w in (wq, wk, wv)]
-    return tuple(part.view(rows, -1) for part in flat.split(sizes))
+    flat, rows, start, parts = y.flatten(), x.shape[0], 0, []
+    for w in (wq, wk, wv):  # slices, not split(): torch-mlir lowers no split into sizes of a dynamic M
+        parts.append(flat[start:start + rows * w.shape[0]].view(rows, w.shape[0]))
+        start = start + rows * w.shape[0]
+    return tuple(parts)
 
 
 def swiglu(x, gate, up, norm=None):

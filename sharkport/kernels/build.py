@@ -150,7 +150,8 @@ def _mapped(mlir_path: str | os.PathLike):
 
 
 def referenced_by(mlir_path: str | os.PathLike) -> bool:
-    """Whether an MLIR file calls the kernels (so iree-compile needs their object)."""
+    """Whether an MLIR file calls the kernels (so iree-compile needs their object), or a module
+    compiled from one holds them (their names are in its executables')."""
     with _mapped(mlir_path) as m:
         return any(m.find(symbol) >= 0 for symbol in (b"sharkport_matvec_", b"sharkport_decode_", b"sharkport_prefill_",
                                                       b"sharkport_attention_block_", b"sharkport_ffn_block_",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-MAX_ROWS = 8  # products over more rows of x keep the traced form (prefill, large batches)
+MAX_ROWS = 8  # decode's rows: up to these, norms are one dispatch region and a layer one block kernel
 MAX_K = 32 * 512  # longest rows of w: a workgroup keeps x quantized (MAX_K bytes a row) on its stack
 # products that RMS-normalize x first (matvec.c's XN_FLOATS): each workgroup keeps the normalized
 # x [M, K] on its stack, M * K of at most MAX_NORMED values (32 KiB); larger x is normalized by a
