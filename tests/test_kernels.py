@@ -107,7 +107,8 @@ def _x_seen(kind: str, x: np.ndarray) -> np.ndarray:
     return quants.dequantize(quants.quantize(x, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
 
 
-@pytest.mark.parametrize("rows, n, k", [(1, 80, 96), (3, 83, 96), (4, 88, 160), (2, 2104, 128), (8, 2100, 64)])
+@pytest.mark.parametrize("rows, n, k", [(1, 80, 96), (3, 83, 96), (4, 88, 160),
+                                        pytest.param(2, 2104, 128, marks=pytest.mark.extended), (8, 2100, 64)])
 @pytest.mark.parametrize("kind", KINDS)
 def test_kernel_product_equals_gguf_dequantization(kind, rows, n, k, isa, two_cpus, tmp_path):
     """On 2 CPUs, 80, 83 or 88 outputs: 3 workgroups of 32; 2104 and 2100: 9 workgroups of 256;
@@ -640,7 +641,8 @@ def kernel_module(quantized_tiny, tmp_path_factory):
 
 
 @pytest.mark.parametrize("type_name, cache_dtype", [("q8_0", torch.float32), ("q4_1", torch.float32),
-                                                    ("f16", torch.float32), ("f16", torch.float16)])
+                                                    pytest.param("f16", torch.float32, marks=pytest.mark.extended),
+                                                    ("f16", torch.float16)])
 def test_tiny_llama_decodes_through_the_kernels_as_transformers(kernel_module, type_name, cache_dtype):
     """Prefill 5 tokens, then teacher-forced decode at batch 4 (every row the same sequence, on
     its own pages; products (q, k, v in one dispatch, gate and up with SiLU in one), rotary, the
@@ -774,8 +776,9 @@ def _export_without(names, irpa, tmp_path, stem: str, monkeypatch):
     with monkeypatch.context() as m:
         for name in names:
             m.setattr(kernels, name, lambda *args, **kwargs: None)
-        output, service = export_model(Dataset.load(irpa), dataclasses.replace(TINY_EXPORT, matvec_kernels=True),
-                                       exact_cache())  # as kernel_module("q4_1")
+        # as kernel_module("q4_1"), less the prefill function _decode_logits does not call
+        config = dataclasses.replace(TINY_EXPORT, matvec_kernels=True, bs_prefill=(4,))
+        output, service = export_model(Dataset.load(irpa), config, exact_cache())
     save_export(output, service, tmp_path / f"{stem}.mlir", tmp_path / f"{stem}.json")
     compile_mlir(tmp_path / f"{stem}.mlir", tmp_path / f"{stem}.vmfb")
     return tmp_path / f"{stem}.vmfb", irpa, tmp_path / f"{stem}.json"
