@@ -70,33 +70,40 @@ def isa(request, monkeypatch):
     return request.param
 
 
-def _export(module, *inputs, path):
-    """module's forward traced into the MLIR file `path`; its text."""
+def _export(module, *inputs, path, dynamic_shapes=None):
+    """module's forward traced into the MLIR file `path` (with torch.export's `dynamic_shapes`); its
+    text."""
     from iree.turbine import aot
 
-    exported = aot.export(module, args=inputs)
+    exported = aot.export(module, args=inputs, dynamic_shapes=dynamic_shapes)
     exported.save_mlir(path)
     assert kernels.referenced_by(path), "the product was not routed through a kernel"
     return path.read_text()
 
 
-def _compile_and_run(module, *inputs, tmp_path, kernel=None):
-    """module's forward on `inputs` through IREE with the kernels (the C function `kernel`, or
-    each of a tuple of them, among those it calls, if given)."""
+def _compiled(module, *inputs, tmp_path, kernel=None, dynamic_shapes=None):
+    """module's forward traced on `inputs` and compiled with the kernels (the C function `kernel`,
+    or each of a tuple of them, among those it calls, if given): a function of numpy arrays
+    running it through IREE."""
     import iree.runtime as rt
 
     from sharkport.compile import compile_mlir
 
     mlir, vmfb = tmp_path / "m.mlir", tmp_path / "m.vmfb"
-    text = _export(module, *inputs, path=mlir)
+    text = _export(module, *inputs, path=mlir, dynamic_shapes=dynamic_shapes)
     for name in (kernel,) if isinstance(kernel, str) else kernel or ():
         assert f"@{name}(" in text, f"{name} is not called"
     compile_mlir(mlir, vmfb)
     config = rt.Config("local-task")
     ctx = rt.SystemContext(config=config)
     ctx.add_vm_module(rt.VmModule.mmap(config.vm_instance, str(vmfb)))
-    out = ctx.modules.module["main"](*(rt.asdevicearray(config.device, t.numpy()) for t in inputs))
-    return np.array(out.to_host(), copy=True)
+    main = ctx.modules.module["main"]
+    return lambda *arrays: np.array(main(*(rt.asdevicearray(config.device, a) for a in arrays)).to_host(), copy=True)
+
+
+def _compile_and_run(module, *inputs, tmp_path, kernel=None):
+    """module's forward on `inputs` through IREE with the kernels (see _compiled)."""
+    return _compiled(module, *inputs, tmp_path=tmp_path, kernel=kernel)(*(t.numpy() for t in inputs))
 
 
 def _x_seen(kind: str, x: np.ndarray) -> np.ndarray:
@@ -105,6 +112,11 @@ def _x_seen(kind: str, x: np.ndarray) -> np.ndarray:
     if kind == "F16":
         return x
     return quants.dequantize(quants.quantize(x, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
+
+
+def _dense(kind: str, raw: np.ndarray) -> np.ndarray:
+    """The float64 matrix of raw `kind` data (float16 values, or blocks dequantized by gguf.quants)."""
+    return (raw if kind == "F16" else quants.dequantize(raw, GGMLQuantizationType[kind])).astype(np.float64)
 
 
 @pytest.mark.parametrize("rows, n, k", [(1, 80, 96), (3, 83, 96), (4, 88, 160),
@@ -120,7 +132,7 @@ def test_kernel_product_equals_gguf_dequantization(kind, rows, n, k, isa, two_cp
     rng = np.random.default_rng(rows)
     raw = quantize_array(rng.standard_normal((n, k)).astype(np.float32), kind)
     w = torch.from_numpy(raw) if kind == "F16" else weight_from_raw(kind, (n, k), raw)
-    dense = raw.astype(np.float64) if kind == "F16" else quants.dequantize(raw, GGMLQuantizationType[kind]).astype(np.float64)
+    dense = _dense(kind, raw)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     x[:, :32] = rng.integers(-127, 127, (rows, 32)) + 0.5
     x[:, 0] = 127
@@ -174,8 +186,7 @@ def test_row_kernels_equal_gguf_dequantization(rows, n, k, isa, two_cpus, tmp_pa
                            kernel=tuple(f"sharkport_matvec_{kind.lower()}" + ("x8" if kind == "Q5_0" and n % 8 == 0
                                                                                 else "") for kind in ROW_KINDS))
     for kind, raw, part in zip(ROW_KINDS, raws, np.split(got, len(ROW_KINDS), axis=1)):
-        dense = quants.dequantize(raw, GGMLQuantizationType[kind]).astype(np.float64)
-        want = _x_seen(kind, x.numpy()).astype(np.float64) @ dense.T
+        want = _x_seen(kind, x.numpy()).astype(np.float64) @ _dense(kind, raw).T
         np.testing.assert_allclose(part, want, rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=kind)
 
 
@@ -183,11 +194,6 @@ def test_products_over_a_dynamic_row_count_equal_gguf_dequantization(isa, two_cp
     """Prefill's products: x of a dynamic row count, every kernel type in one module, run at 21
     rows (two chunks of eight and five left) and at 3. Q8_0, Q4_1 and Q5_0 of 80 rows go
     interleaved, the others a row at a time."""
-    import iree.runtime as rt
-    from iree.turbine import aot
-
-    from sharkport.compile import compile_mlir
-
     rng = np.random.default_rng(0)
     n, k = 80, 512
     kinds = KINDS + ROW_KINDS
@@ -195,24 +201,14 @@ def test_products_over_a_dynamic_row_count_equal_gguf_dequantization(isa, two_cp
             else _random_blocks(kind, n, k, rng) for kind in kinds]
     weights = [torch.from_numpy(raw) if kind == "F16" else weight_from_raw(kind, (n, k), raw)
                for kind, raw in zip(kinds, raws)]
-    module, mlir, vmfb = _Products(weights), tmp_path / "m.mlir", tmp_path / "m.vmfb"
-    exported = aot.export(module, args=(torch.zeros(21, k),), dynamic_shapes={"x": {0: torch.export.Dim("rows")}})
-    exported.save_mlir(mlir)
-    text = mlir.read_text()
-    for kind in kinds:
-        name = f"sharkport_matvec_{kind.lower()}" + ("x8" if kind in kernels.INTERLEAVED else "")
-        assert f"@{name}(" in text, f"{name} is not called"
-    compile_mlir(mlir, vmfb)
-    config = rt.Config("local-task")
-    ctx = rt.SystemContext(config=config)
-    ctx.add_vm_module(rt.VmModule.mmap(config.vm_instance, str(vmfb)))
+    names = tuple(f"sharkport_matvec_{kind.lower()}" + ("x8" if kind in kernels.INTERLEAVED else "") for kind in kinds)
+    run_main = _compiled(_Products(weights), torch.zeros(21, k), tmp_path=tmp_path, kernel=names,
+                         dynamic_shapes={"x": {0: torch.export.Dim("rows")}})
     for rows in (21, 3):
         x = rng.standard_normal((rows, k)).astype(np.float32)
-        got = np.array(ctx.modules.module["main"](rt.asdevicearray(config.device, x)).to_host(), copy=True)
+        got = run_main(x)
         for kind, raw, part in zip(kinds, raws, np.split(got, len(kinds), axis=1)):
-            dense = raw.astype(np.float64) if kind == "F16" else \
-                quants.dequantize(raw, GGMLQuantizationType[kind]).astype(np.float64)
-            want = _x_seen(kind, x).astype(np.float64) @ dense.T
+            want = _x_seen(kind, x).astype(np.float64) @ _dense(kind, raw).T
             np.testing.assert_allclose(part, want, rtol=0, atol=1e-5 * np.abs(want).max(),
                                        err_msg=f"{kind}, {rows} rows")
 
@@ -273,8 +269,7 @@ def test_fused_products_equal_gguf_dequantization(kind, form, sizes, isa, two_cp
     k = 96
     raws = [quantize_array(rng.standard_normal((n, k)).astype(np.float32), kind) for n in sizes]
     weights = [torch.from_numpy(r) if kind == "F16" else weight_from_raw(kind, (n, k), r) for n, r in zip(sizes, raws)]
-    dense = [r.astype(np.float64) if kind == "F16" else quants.dequantize(r, GGMLQuantizationType[kind]).astype(np.float64)
-             for r in raws]
+    dense = [_dense(kind, r) for r in raws]
     x = torch.from_numpy(rng.standard_normal((2, k)).astype(np.float32))
     got = _compile_and_run(_Fused(form, weights), x, tmp_path=tmp_path)
     ys = [_x_seen(kind, x.numpy()).astype(np.float64) @ d.T for d in dense]
@@ -322,8 +317,7 @@ def test_products_normalize_x_and_add_the_residual(kind, form, sizes, isa, two_c
     k, eps = 96, 1e-5
     raws = [quantize_array(rng.standard_normal((n, k)).astype(np.float32), kind) for n in sizes]
     weights = [torch.from_numpy(r) if kind == "F16" else weight_from_raw(kind, (n, k), r) for n, r in zip(sizes, raws)]
-    dense = [r.astype(np.float64) if kind == "F16" else quants.dequantize(r, GGMLQuantizationType[kind]).astype(np.float64)
-             for r in raws]
+    dense = [_dense(kind, r) for r in raws]
     g = torch.from_numpy(rng.uniform(0.5, 1.5, k).astype(np.float32))
     x = rng.standard_normal((3, k)).astype(np.float32) * 3
     x[1] *= 1e-3  # mean square about 1e-5
@@ -371,7 +365,7 @@ def test_row_kernels_normalize_x_fuse_and_add_the_residual(kind, two_cpus, tmp_p
     k, eps, sizes = 512, 1e-5, [80, 48, 24, 83, 83, 256]
     raws = [_random_blocks(kind, n, k, rng) for n in sizes]
     weights = [weight_from_raw(kind, (n, k), raw) for n, raw in zip(sizes, raws)]
-    dense = [quants.dequantize(raw, GGMLQuantizationType[kind]).astype(np.float64) for raw in raws]
+    dense = [_dense(kind, raw) for raw in raws]
     g = torch.from_numpy(rng.uniform(0.5, 1.5, k).astype(np.float32))
     x = torch.from_numpy(rng.standard_normal((3, k)).astype(np.float32) * 3)
     r = torch.from_numpy(rng.standard_normal((3, sizes[-1])).astype(np.float32))
