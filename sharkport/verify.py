@@ -117,30 +117,54 @@ def load_transformers(gguf_file: Path | None = None, model_dir: Path | None = No
     return model.eval()
 
 
-def quantize_linear_inputs(model) -> list:
+def quantize_linear_inputs(model, per_256: Sequence[str] = ()) -> list:
     """Makes every nn.Linear of a transformers model multiply its input as the kernels multiply x
-    by quantized weights: quantized to Q8_0 per block of 32 and dequantized, by gguf.quants.
-    Returns the hooks."""
+    by quantized weights: quantized to Q8_0 per block of 32 and dequantized, by gguf.quants; the
+    modules named in `per_256` (their weights are K-quants) per 256 values as llama.cpp's Q8_K
+    (kernels.quantized_x). Returns the hooks."""
     import torch
     from gguf import GGMLQuantizationType, quants
 
-    def hook(module, args):
+    from .kernels import X_PER_256, quantized_x
+
+    def q8_0(module, args):
         x = args[0]
         rows = x.detach().float().reshape(-1, x.shape[-1]).numpy()
         seen = quants.dequantize(quants.quantize(rows, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
         return (torch.from_numpy(seen).reshape(x.shape).to(x.dtype),)
 
-    return [m.register_forward_pre_hook(hook) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    def q8_k(module, args):
+        return (quantized_x(args[0].detach().float(), X_PER_256[0]).to(args[0].dtype),)
+
+    return [m.register_forward_pre_hook(q8_k if name in per_256 else q8_0) for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear)]
 
 
-def _all_products_quantize_x(dataset) -> bool:
-    """Whether the kernels multiply x quantized to 8 bits by every matrix of the archive (each has
-    a quantized type a kernel reads), so that transformers' products can be made to as well."""
-    from .kernels import kernel_type
+def linear_inputs_per_256(dataset) -> list[str] | None:
+    """transformers' names of the linear layers whose inputs the kernels quantize per 256 values
+    (their weights are K-quants: quantize_linear_inputs' `per_256`), where the kernels multiply x
+    quantized to 8 bits by every matrix of the archive (each has a quantized type a kernel reads);
+    None where some matrix is not so multiplied, or a K-quant one has no transformers name."""
+    from .formats.names import gguf_to_hf_name
+    from .kernels import X_PER_256, kernel_type
 
-    matrices = [w for name, w in dataset.theta.items() if len(w.shape) == 2
-                and not (name == "token_embd.weight" and "output.weight" in dataset.theta)]
-    return all(kernel_type(w) not in (None, "F16") for w in matrices)
+    tied = "output.weight" not in dataset.theta
+    matrices = {name: w for name, w in dataset.theta.items() if len(w.shape) == 2
+                and not (name == "token_embd.weight" and not tied)}
+    if any(kernel_type(w) in (None, "F16") for w in matrices.values()):
+        return None
+    names = []
+    for name, w in matrices.items():
+        if kernel_type(w) not in X_PER_256:
+            continue
+        if name == "token_embd.weight":  # tied: the output projection multiplies by it
+            names.append("lm_head")
+            continue
+        try:
+            names.append(gguf_to_hf_name(name, dataset.architecture).removesuffix(".weight"))
+        except SharkportError:
+            return None
+    return names
 
 
 def verify_files(vmfb: Path, irpa: Path, config_path: Path, prompts: Sequence[str] = (),
@@ -191,8 +215,9 @@ def verify_files(vmfb: Path, irpa: Path, config_path: Path, prompts: Sequence[st
         model = use_kernels(model)
         note = f"{vmfb}: exported with the x86-64 kernels (x quantized to 8 bits for quantized weights); the eager " \
                "recipe computes as they do"
-        if hf_model is not None and _all_products_quantize_x(dataset):
-            quantize_linear_inputs(hf_model)
+        per_256 = linear_inputs_per_256(dataset)
+        if hf_model is not None and per_256 is not None:
+            quantize_linear_inputs(hf_model, per_256)
             note += ", and so do transformers' linear layers"
         elif hf_model is not None:
             note += "; transformers multiplies in float32 (so its logits differ by the 8-bit activations)"

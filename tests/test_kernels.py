@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,7 +27,7 @@ from sharkport.export.kernels import KernelLinear, KernelRMSNorm, fused_product,
 from sharkport.layers import Linear, RMSNorm
 from sharkport.archive.quantize import quantize_array
 from sharkport.quant import BLOCK_TYPES
-from sharkport.verify import quantize_linear_inputs
+from sharkport.verify import linear_inputs_per_256, quantize_linear_inputs
 from run_cli import run
 from tiny_models import TINY_EXPORT, decode_ms, exact_cache
 
@@ -107,10 +108,13 @@ def _compile_and_run(module, *inputs, tmp_path, kernel=None):
 
 
 def _x_seen(kind: str, x: np.ndarray) -> np.ndarray:
-    """x as the kernels multiply it by weights of `kind`: as is for float16, else quantized to
-    Q8_0 and dequantized by gguf.quants."""
+    """x as the kernels multiply it by weights of `kind`: as is for float16; for the K-quants
+    quantized as llama.cpp's Q8_K (kernels.quantized_x, which test_x_per_256_is_llama_cpps_q8_k
+    holds to llama.cpp's own); else quantized to Q8_0 and dequantized by gguf.quants."""
     if kind == "F16":
         return x
+    if kind in kernels.X_PER_256:
+        return kernels.quantized_x(torch.from_numpy(x), kind).numpy()
     return quants.dequantize(quants.quantize(x, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
 
 
@@ -188,6 +192,30 @@ def test_row_kernels_equal_gguf_dequantization(rows, n, k, isa, two_cpus, tmp_pa
     for kind, raw, part in zip(ROW_KINDS, raws, np.split(got, len(ROW_KINDS), axis=1)):
         want = _x_seen(kind, x.numpy()).astype(np.float64) @ _dense(kind, raw).T
         np.testing.assert_allclose(part, want, rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=kind)
+
+
+def test_x_per_256_is_llama_cpps_q8_k():
+    """x quantized for the K-quants (quantized_x, as matvec.c's quantize_x_k) is llama.cpp's own
+    Q8_K: quantize_row_q8_K_ref then dequantize_row_q8_K from the llama-cpp-python build, bit for
+    bit, on blocks of scales over sixteen decades, of zeros, and with ties of magnitude (+3 and
+    -3: the first gives the scale its sign)."""
+    import ctypes
+
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama.cpp's reference: pip install -e '.[bench]'")
+    ggml = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((64, 256)) * np.exp(rng.uniform(-18, 18, (64, 1)))).astype(np.float32)
+    x[0], x[1], x[1, 7], x[1, 9], x[2, 5] = 0, 0, 3.0, -3.0, -1e-30
+    x[3] = (rng.integers(-126, 126, 256) + 0.5) / 2  # under a max of 63.5, -127 / max is -2: all ties
+    x[3, 0] = 63.5
+    blocks = np.zeros(64, np.dtype([("d", "<f4"), ("qs", "i1", 256), ("bsums", "<i2", 16)]))
+    want = np.zeros_like(x)
+    ggml.quantize_row_q8_K_ref(x.ctypes.data_as(ctypes.c_void_p), blocks.ctypes.data_as(ctypes.c_void_p),
+                               ctypes.c_int64(x.size))
+    ggml.dequantize_row_q8_K(blocks.ctypes.data_as(ctypes.c_void_p), want.ctypes.data_as(ctypes.c_void_p),
+                             ctypes.c_int64(x.size))
+    got = kernels.quantized_x(torch.from_numpy(x), "Q4_K").numpy()
+    np.testing.assert_array_equal(got, want)
 
 
 def test_products_over_a_dynamic_row_count_equal_gguf_dequantization(isa, two_cpus, tmp_path):
@@ -340,6 +368,50 @@ def test_products_normalize_x_and_add_the_residual(kind, form, sizes, isa, two_c
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
+class _NormedProducts(torch.nn.Module):
+    """`matvec_norm` (see _NormResidual) of one x by each weight, concatenated."""
+
+    def __init__(self, weights, g, eps):
+        super().__init__()
+        self.parts = torch.nn.ModuleList(_NormResidual("matvec_norm", [w], g, eps) for w in weights)
+
+    def forward(self, x):
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+def test_prefill_products_normalize_x_of_any_row_count(two_cpus, tmp_path):
+    """Prefill's RMSNorms inside its products too: x of a dynamic row count normalized a row at a
+    time as it is quantized (float16 weights: the rows multiplied at a time), run at 21 rows (two
+    chunks of eight and five left) and at 3, Q8_0 (interleaved), Q4_K and F16 weights; as
+    transformers' LlamaRMSNorm, then quantized as the kernels quantize x."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    rng = np.random.default_rng(7)
+    n, k, eps, kinds = 80, 512, 1e-5, ["Q8_0", "Q4_K", "F16"]
+    raws = [_random_blocks(kind, n, k, rng) if kind == "Q4_K"
+            else quantize_array(rng.standard_normal((n, k)).astype(np.float32), kind) for kind in kinds]
+    weights = [torch.from_numpy(raw) if kind == "F16" else weight_from_raw(kind, (n, k), raw)
+               for kind, raw in zip(kinds, raws)]
+    g = torch.from_numpy(rng.uniform(0.5, 1.5, k).astype(np.float32))
+    run_main = _compiled(_NormedProducts(weights, g, eps), torch.zeros(21, k), tmp_path=tmp_path,
+                         kernel=("sharkport_matvec_norm_q8_0x8", "sharkport_matvec_norm_q4_k",
+                                 "sharkport_matvec_norm_f16"),
+                         dynamic_shapes={"x": {0: torch.export.Dim("rows")}})
+    reference = LlamaRMSNorm(k, eps=eps)
+    with torch.no_grad():
+        reference.weight.copy_(g)
+    for rows in (21, 3):
+        x = rng.standard_normal((rows, k)).astype(np.float32) * 3
+        x[1] *= 1e-3  # mean square about 1e-5: eps counts
+        got = run_main(x)
+        with torch.no_grad():
+            normed = reference(torch.from_numpy(x)).numpy()
+        for kind, raw, part in zip(kinds, raws, np.split(got, len(kinds), axis=1)):
+            want = _x_seen(kind, normed).astype(np.float64) @ _dense(kind, raw).T
+            np.testing.assert_allclose(part, want, rtol=0, atol=1e-5 * np.abs(want).max(),
+                                       err_msg=f"{kind}, {rows} rows")
+
+
 class _Forms(torch.nn.Module):
     """qkv_norm, swiglu_norm and matvec_add (see _NormResidual) of one x in one module, concatenated."""
 
@@ -385,13 +457,16 @@ def test_row_kernels_normalize_x_fuse_and_add_the_residual(kind, two_cpus, tmp_p
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
-def test_x_too_large_to_normalize_in_the_product_takes_a_norm_dispatch(monkeypatch, tmp_path):
-    """Where x has more than kernels.MAX_NORMED values, the product cannot keep it normalized on its
-    stack: the norm is a dispatch region of its own, and the product the kernel without it."""
-    monkeypatch.setattr(kernels, "MAX_NORMED", 2 * 64 - 1)
+def test_rows_too_long_to_normalize_in_the_product_take_a_norm_dispatch(monkeypatch, tmp_path):
+    """The product keeps x normalized on its stack a row at a time, so it normalizes x of any row
+    count whose rows have at most kernels.MAX_NORMED values (prefill's too); longer rows are
+    normalized by a dispatch region of their own, and the product is the kernel without the norm."""
     weights = [torch.from_numpy(np.ones((8, 64), np.float16))] * 3
     module = _NormResidual("qkv_norm", weights, torch.ones(64), 1e-5)
-    assert "@sharkport_matvec_qkv_norm_f16(" in _export(module, torch.ones(1, 64), path=tmp_path / "one.mlir")
+    monkeypatch.setattr(kernels, "MAX_NORMED", 64)
+    for rows in (1, 2):
+        assert "@sharkport_matvec_qkv_norm_f16(" in _export(module, torch.ones(rows, 64), path=tmp_path / "in.mlir")
+    monkeypatch.setattr(kernels, "MAX_NORMED", 63)
     text = _export(module, torch.ones(2, 64), path=tmp_path / "two.mlir")
     assert "@sharkport_matvec_qkv_f16(" in text and "sharkport_rms_norm_2x64" in text
     assert "qkv_norm" not in text
@@ -622,11 +697,12 @@ def kernel_module(quantized_tiny, tmp_path_factory):
             save_export(output, service, out / "m.mlir", out / "m.json")
             mlir = (out / "m.mlir").read_text()
             cache = "_f16" if cache_dtype == torch.float16 else ""
-            # decode's layer, its output projection; prefill's products (decode's are in the layer) and attention
+            # decode's layer, its output projection; prefill's products (decode's are in the layer), each
+            # normalizing x where a norm comes before it, and attention
             for kernel in (rf"sharkport_layer_block_{type_name}(x8)?{cache}\(", f"sharkport_matvec_norm_{type_name}",
-                           rf"sharkport_matvec_swiglu_{type_name}(x8)?\(", r"sharkport_prefill_attention\("):
+                           rf"sharkport_matvec_swiglu_norm_{type_name}(x8)?\(", r"sharkport_prefill_attention\("):
                 assert re.search(kernel, mlir), f"{kernel} is not called: the traced form was taken"
-            assert "sharkport_rms_norm" not in mlir, "a decode norm took a dispatch of its own"
+            assert "sharkport_rms_norm" not in mlir and "torch.aten.mean" not in mlir, "a norm took a dispatch of its own"
             compile_mlir(out / "m.mlir", out / "m.vmfb")
             made[type_name, cache_dtype] = out / "m.vmfb", irpa, out / "m.json", gguf_path
         return made[type_name, cache_dtype]
@@ -677,6 +753,94 @@ def test_tiny_llama_decodes_through_the_kernels_as_transformers(kernel_module, t
         for row in range(4):
             np.testing.assert_allclose(got[row, 0], want[pos], rtol=0, atol=tolerance * np.abs(want[pos]).max(),
                                        err_msg=f"position {pos}, row {row}")
+
+
+def _k_quant_layer(tmp_path):
+    """(GGUF, archive) of a llama layer of llama.cpp's Q4_K_M kinds, random blocks: Q4_K q, k, output
+    projection, gate and up, a Q5_K v (a type apart from q and k, as the Q6_K attn_v of llama.cpp's
+    mixtures), a Q6_K down projection, and an untied Q8_0 output."""
+    from gguf_fixtures import random_tensor, write_gguf
+    from sharkport.archive import import_gguf
+
+    d, ff, heads, kv, hd, vocab = 256, 512, 4, 2, 64, 64
+    types = {"token_embd": ("Q4_K", (vocab, d)), "output": ("Q8_0", (vocab, d)),
+             "blk.0.attn_q": ("Q4_K", (heads * hd, d)), "blk.0.attn_k": ("Q4_K", (kv * hd, d)),
+             "blk.0.attn_v": ("Q5_K", (kv * hd, d)), "blk.0.attn_output": ("Q4_K", (d, heads * hd)),
+             "blk.0.ffn_gate": ("Q4_K", (ff, d)), "blk.0.ffn_up": ("Q4_K", (ff, d)),
+             "blk.0.ffn_down": ("Q6_K", (d, ff))}
+    rng = np.random.default_rng(0)
+    tensors = {f"{name}.weight": (kind, shape, random_tensor(kind, shape, rng, std=0.05))
+               for name, (kind, shape) in types.items()}
+    for norm in ("output_norm.weight", "blk.0.attn_norm.weight", "blk.0.ffn_norm.weight"):
+        tensors[norm] = ("F32", (d,), (1 + 0.1 * rng.standard_normal(d)).astype(np.float32))
+    (tmp_path / "gguf").mkdir()
+    gguf_path = write_gguf(tmp_path / "gguf" / "k.gguf", tensors, {
+        "llama.block_count": 1, "llama.context_length": 256, "llama.embedding_length": d,
+        "llama.feed_forward_length": ff, "llama.attention.head_count": heads, "llama.attention.head_count_kv": kv,
+        "llama.rope.freq_base": 10000.0, "llama.attention.layer_norm_rms_epsilon": 1e-6, "llama.vocab_size": vocab})
+    irpa = tmp_path / "k.irpa"
+    import_gguf(gguf_path, irpa, progress=False)
+    return gguf_path, irpa
+
+
+def test_transformers_quantizes_each_linear_input_as_the_kernels(tmp_path):
+    """On _k_quant_layer (K-quant matrices, whose kernels take x quantized per 256 values, and a
+    Q8_0 output, per 32): with its linear layers' inputs quantized as linear_inputs_per_256 names
+    them, transformers' prefill logits over the GGUF are the eager recipe's with the kernel layers
+    (torch computing what each kernel computes); with every input quantized per 32 instead, most
+    positions' are not."""
+    from transformers import AutoModelForCausalLM
+
+    from sharkport.api import TextGenerator
+    from sharkport.archive import Dataset
+
+    gguf_path, irpa = _k_quant_layer(tmp_path)
+    per_256 = linear_inputs_per_256(Dataset.load(irpa))
+    assert sorted(per_256) == sorted(f"model.layers.0.{m}" for m in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+        "mlp.up_proj", "mlp.down_proj"))
+
+    ids = np.random.default_rng(1).integers(0, 64, 24).tolist()
+    session = TextGenerator.eager(irpa, block_seq_stride=32, batch_size=1, max_seq_len=64,
+                                  matvec_kernels=True).session
+    tokens = np.zeros((1, 32), np.int64)
+    tokens[0, :len(ids)] = ids
+    got = np.asarray(session.prefill(tokens, np.array([len(ids)]), np.array([[1]])))[0, :len(ids)]
+    hf = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+
+    def transformers_logits(names):
+        hooks = quantize_linear_inputs(hf, names)
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0].numpy()
+        for h in hooks:
+            h.remove()
+        return logits
+
+    want, per_32 = transformers_logits(per_256), transformers_logits(())
+    scale = np.abs(want).max()
+    diff = np.abs(got - want).max(-1) / scale  # by position
+    # equal but where a float32 rounding apart puts a value of x a quantization step away, which
+    # moves that position's logits by up to about 1%
+    assert np.median(diff) <= 1e-5 and diff.max() <= 2e-2, diff
+    assert np.median(np.abs(got - per_32).max(-1)) > 1e-3 * scale
+
+
+def test_norms_of_layers_of_mixed_types_go_inside_the_products(tmp_path):
+    """_k_quant_layer's q and k (Q4_K) and v (Q5_K) cannot share a dispatch, so each product
+    normalizes x itself: prefill and decode export no RMSNorm reduction of IREE's (over prefill's
+    dynamic rows of a 3072-wide model, iree-compile put its tile on the stack past the 32 KiB
+    limit)."""
+    from sharkport.archive import Dataset
+    from sharkport.export import export_model, save_export
+
+    _, irpa = _k_quant_layer(tmp_path)
+    config = dataclasses.replace(TINY_EXPORT, matvec_kernels=True)
+    output, service = export_model(Dataset.load(irpa), config, exact_cache(config.block_seq_stride))
+    save_export(output, service, tmp_path / "m.mlir", tmp_path / "m.json")
+    text = (tmp_path / "m.mlir").read_text()
+    for name in ("matvec_norm_q4_k", "matvec_norm_q5_k", "matvec_norm_q8_0x8", "matvec_swiglu_norm_q4_k"):
+        assert re.search(rf"@sharkport_{name}\(", text), f"{name} is not called"
+    assert "torch.aten.mean" not in text and "sharkport_rms_norm" not in text
 
 
 def test_kernel_decode_writes_the_cache_in_place(kernel_module):

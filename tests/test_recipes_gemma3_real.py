@@ -89,11 +89,11 @@ def test_greedy_continuations_equal_transformers(gemma3_compiled, gemma3_hf):
 
 def test_kernel_decode_agrees_with_transformers_but_at_near_ties(gemma3_irpa, gemma3_hf):
     """With the kernels, decode reads the Q5_0, Q4_K, Q6_K and Q8_0 matrices as stored and
-    multiplies them by x quantized to Q8_0 per block of 32, as llama.cpp does, and its local
-    layers attend within their window in the kernel. Teacher-forced on transformers' own greedy
-    continuations, its top token is transformers' at 95% of the positions or more, and where it is
-    not, transformers' top two were within 0.25 of each other (the quantized activations move the
-    logits by about 0.5)."""
+    multiplies them by x quantized per block of 32 (per 256 for the K-quants), as llama.cpp does,
+    and its local layers attend within their window in the kernel. Teacher-forced on
+    transformers' own greedy continuations, its top token is transformers' at 95% of the positions
+    or more, and where it is not, transformers' top two were within 0.25 of each other (the
+    quantized activations move the logits by about 0.5)."""
     import numpy as np
 
     hf, tok = gemma3_hf

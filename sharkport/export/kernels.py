@@ -126,14 +126,19 @@ class KernelAttention(torch.nn.Module):
         return a.qkv is None and a.q_norm is None and all(p.bias is None for p in (a.q, a.k, a.v, a.output))
 
     def project(self, x: torch.Tensor, norm: KernelRMSNorm | None = None):
+        """q, k and v of x, normalized by `norm` inside the products where they take it: in one
+        dispatch where they share a kernel type and have no biases (kernels.matvec_qkv), else a
+        product each, each normalizing x itself (llama.cpp's mixtures put a Q6_K attn_v beside
+        Q4_K q and k; a norm of its own would be IREE's reduction over prefill's rows)."""
         a = self.plain
-        if not (a.qkv is None and all(p.bias is None for p in (a.q, a.k, a.v))):
+        if a.qkv is not None or not all(isinstance(p, KernelLinear) for p in (a.q, a.k, a.v)):
             return a.project(x if norm is None else norm(x))
-        ys, x = fused_product(lambda rows, n: kernels.matvec_qkv(rows, a.q.weight, a.k.weight, a.v.weight, n),
-                              x, norm)
-        if ys is None:
-            return a.project(x)
-        return tuple(y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys)
+        if all(p.bias is None for p in (a.q, a.k, a.v)):
+            ys = kernels.matvec_qkv(x.reshape(-1, x.shape[-1]), a.q.weight, a.k.weight, a.v.weight,
+                                    None if norm is None else (norm.weight, norm.eps))
+            if ys is not None:
+                return tuple(y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys)
+        return a.q(x, norm=norm), a.k(x, norm=norm), a.v(x, norm=norm)
 
     def block(self, h, norm: KernelRMSNorm, rope, cache_state, seq_block_ids, start_positions, seq_lens, ffn=None):
         """h + attention(norm(h)) by kernels.attention_block, or with `ffn` ((the FFN norm's weight,

@@ -13,9 +13,9 @@ the prompt to its own K and V (`prefill_attention`), and a llama decode layer in
 work and wait for each other inside the dispatch.
 
 With quantized weights it multiplies 8-bit integers, as llama.cpp does on CPUs: x is quantized
-per block of 32 values as gguf's Q8_0 quantizer does, so the product is that of the dequantized
-weights with the Q8_0-dequantized x (`quantized_x`), about 1e-3 relative from the float32
-product. IREE 3.9 generates no code that multiplies by quantized weights at memory speed
+per block of 32 values as gguf's Q8_0 quantizer does, or for the K-quants per 256 values as
+llama.cpp's Q8_K, so the product is that of the dequantized weights with the dequantized x
+(`quantized_x`), about 1e-3 relative from the float32 product. IREE 3.9 generates no code that multiplies by quantized weights at memory speed
 (docs/performance.md); the export swaps a model's layers for modules that call these functions
 (sharkport.export.kernels). Each function returns None where its kernel does not apply (a
 dynamic M where a kernel needs a static one, other dtypes, weight types or sizes), and the
@@ -36,16 +36,16 @@ from .build import (AVX512_FEATURES, CFLAGS, ISA_ENV, ISA_FLAGS, PRODUCTS, PRODU
                     cflags, compile_flags_for, isa, object_name, object_path, objects_named_by, products,
                     referenced_by)
 from .layout import (BLOCK_CHUNK_ROWS, BLOCK_KINDS, INTERLEAVED, MAX_GD, MAX_K, MAX_NORMED, MAX_ROWS, MAX_STRIDE,
-                     PLANES, PREFILL_MAX_D, PREFILL_MAX_GD, SIZES, STORED, block_counters, cpus, deinterleave_rows,
-                     interleave_rows, kv_heads_per_workgroup, quantized_x, workgroups)
+                     PLANES, PREFILL_MAX_D, PREFILL_MAX_GD, SIZES, STORED, X_PER_256, block_counters, cpus,
+                     deinterleave_rows, interleave_rows, kv_heads_per_workgroup, quantized_x, workgroups)
 
 __all__ = ["AVX512_FEATURES", "BLOCK_CHUNK_ROWS", "BLOCK_KINDS", "CFLAGS", "INTERLEAVED", "ISA_ENV", "ISA_FLAGS",
            "MAX_GD", "MAX_K", "MAX_NORMED", "MAX_ROWS", "MAX_STRIDE", "PLANES", "PREFILL_MAX_D", "PREFILL_MAX_GD",
-           "PRODUCTS", "PRODUCTS_ENV", "SIZES", "SOURCE", "STORED", "attention_block", "available", "block_counters",
-           "cache_dir", "cflags", "compile_flags_for", "cpus", "decode_attention", "decode_indices", "decode_rows",
-           "deinterleave_rows", "ffn_block", "interleave_rows", "isa", "kernel_type", "kv_heads_per_workgroup",
-           "layer_block", "matvec", "matvec_qkv", "object_name", "object_path", "objects_named_by",
-           "prefill_attention", "products", "quantized_x", "referenced_by", "swiglu", "workgroups"]
+           "PRODUCTS", "PRODUCTS_ENV", "SIZES", "SOURCE", "STORED", "X_PER_256", "attention_block", "available",
+           "block_counters", "cache_dir", "cflags", "compile_flags_for", "cpus", "decode_attention", "decode_indices",
+           "decode_rows", "deinterleave_rows", "ffn_block", "interleave_rows", "isa", "kernel_type",
+           "kv_heads_per_workgroup", "layer_block", "matvec", "matvec_qkv", "object_name", "object_path",
+           "objects_named_by", "prefill_attention", "products", "quantized_x", "referenced_by", "swiglu", "workgroups"]
 
 
 def decode_indices(seq_lens, start_positions, seq_block_ids):
@@ -81,15 +81,13 @@ def _product(form: str, x, weights, norm=None, residual=None):
     """x [M, K] float32 times `weights` through the kernel of `form` (see kernels.ops.FORMS), or
     None where none applies: other dtypes and weight types, matrices of different types, rows
     longer than MAX_K. M may be dynamic (prefill's tokens). `norm` (its weight [K] float32, eps): x
-    RMS-normalized first, for a static M with M * K <= MAX_NORMED; `residual` [M, N] float32: added
-    to the product."""
+    RMS-normalized first, for K <= MAX_NORMED; `residual` [M, N] float32: added to the product."""
     import torch
 
     M, K = x.shape
     if not (x.dtype == torch.float32 and isinstance(K, int) and K <= MAX_K):
         return None
-    if norm is not None and not (isinstance(M, int) and M * K <= MAX_NORMED and norm[0].dtype == torch.float32
-                                 and tuple(norm[0].shape) == (K,)):
+    if norm is not None and not (K <= MAX_NORMED and norm[0].dtype == torch.float32 and tuple(norm[0].shape) == (K,)):
         return None
     if residual is not None and residual.dtype != torch.float32:
         return None

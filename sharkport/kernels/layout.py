@@ -8,9 +8,10 @@ import os
 
 MAX_ROWS = 8  # decode's rows: up to these, norms are one dispatch region and a layer one block kernel
 MAX_K = 32 * 512  # longest rows of w: a workgroup keeps x quantized (MAX_K bytes a row) on its stack
-# products that RMS-normalize x first (matvec.c's XN_FLOATS): each workgroup keeps the normalized
-# x [M, K] on its stack, M * K of at most MAX_NORMED values (32 KiB); larger x is normalized by a
-# dispatch of its own (SmolLM2: M up to 8 of K = 576; a 4096-wide model's decode at batch 1 and 2)
+# products that RMS-normalize x first (matvec.c's XN_FLOATS): each workgroup keeps x normalized on
+# its stack, of at most MAX_NORMED values (32 KiB): a row at a time as it quantizes it (float16
+# weights: the rows it multiplies at a time), so rows of K <= MAX_NORMED at any M; a block kernel
+# keeps all of decode's x [M, K], M * K <= MAX_NORMED. Longer x is normalized by a dispatch of its own.
 MAX_NORMED = 8192
 # decode attention: query heads per kv head times head_dim, and positions per page, it takes
 MAX_GD, MAX_STRIDE = 2048, 256
@@ -70,10 +71,24 @@ def deinterleave_rows(planes):
             *(p.reshape(N // 8, B, 8, -1).permute(0, 2, 1, 3).reshape(p.shape) for p in scales)]
 
 
-def quantized_x(x):
-    """x [..., K] as the kernels multiply it with quantized weights: each block of 32 values
-    quantized as gguf's Q8_0 reference quantizer does (scale max|x| / 127, values rounded half away
-    from zero, the scale stored as float16) and dequantized to float32."""
+# weight types whose products take x quantized per 256 values (llama.cpp's Q8_K), not per 32 (Q8_0)
+X_PER_256 = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def quantized_x(x, kind: str = "Q8_0"):
+    """x [..., K] as the kernels multiply it by weights of `kind` and dequantized to float32. For
+    the K-quants (X_PER_256) as llama.cpp's Q8_K reference quantizer does: per 256 values, the
+    first of the largest magnitude m, values round(-127 / m * x) (half to even, at most 127),
+    scale 1 / (-127 / m), all in float32. Else each block of 32 values as gguf's Q8_0 reference
+    quantizer does (scale max|x| / 127, values rounded half away from zero, the scale stored as
+    float16)."""
+    if kind in X_PER_256:
+        blocks = x.reshape(*x.shape[:-1], -1, 256).double()
+        m = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))
+        iscale = (-127 / m).float().double()  # each step rounded to float32, as the C code computes
+        q = (iscale * blocks).float().round().clamp(max=127)
+        scale = (1 / iscale).float()
+        return (q * scale).masked_fill(m == 0, 0).reshape(x.shape)
     blocks = x.reshape(*x.shape[:-1], -1, 32)
     scale = blocks.abs().amax(-1, keepdim=True) / 127
     v = blocks * (1 / scale).masked_fill(scale == 0, 0)

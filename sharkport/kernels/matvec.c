@@ -11,11 +11,11 @@
 //
 // Quantized weights multiply 8-bit integers, as ggml does on CPUs: each workgroup first
 // quantizes its rows of x in blocks of 32 exactly as gguf's Q8_0 reference quantizer does
-// (scale = max |x| / 127 rounded to float16, values rounded half away from zero), then each
-// block's dot product is a sum of 8-bit integer products (AVX2 `maddubs`, or AVX-512 VNNI's
-// `vpdpbusd` where the object is built for it), scaled by the weight's and x's block scales.
-// Results are the exact product of the dequantized weights with the Q8_0-dequantized x, up to
-// float32 rounding of the block sums.
+// (scale = max |x| / 127 rounded to float16, values rounded half away from zero), or for the
+// K-quants in blocks of 256 as llama.cpp's Q8_K (quantize_x_k), then each block's dot product is a
+// sum of 8-bit integer products (AVX2 `maddubs`, or AVX-512 VNNI's `vpdpbusd` where the object is
+// built for it), scaled by the weight's and x's block scales. Results are the exact product of the
+// dequantized weights with the dequantized x, up to float32 rounding of the block sums.
 //
 // Each memref argument arrives as MLIR's expanded descriptor: (base, aligned, offset, size,
 // stride).
@@ -164,6 +164,62 @@ static void quantize_x(const float *x, size_t mc, size_t K, int8_t *q, float *d,
   }
 }
 
+// ---- x quantized in blocks of 256 for the K-quants (llama.cpp's Q8_K: quantize_row_q8_K_ref) ----
+//
+// Per 256 values: max, the first of the largest magnitude; q = min(127, round half to even
+// (-127 / max * x)) and scale d = 1 / (-127 / max), all in float32 (0 for a block of zeros). With
+// one scale for 256 values, a K-quant's super-block sums its integer products in 32 bits and
+// scales them once (q4k_row), as llama.cpp's vec_dot_q4_K_q8_K does.
+
+// Rows x[0 .. mc) of length K = 256 S into q [mc, K], scales d [mc, S] and the sums of each 16 q
+// in bs [mc, K / 16].
+static void quantize_x_k(const float *x, size_t mc, size_t K, int8_t *q, float *d, int16_t *bs) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (size_t i = 0, n = mc * (K / 256); i < n; ++i, x += 256, q += 256, bs += 16) {
+    __m256 m = _mm256_setzero_ps();
+    for (size_t j = 0; j < 256; j += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))), max = 0.0f;
+    if (amax == 0.0f) {
+      for (size_t j = 0; j < 256; j += 32) _mm256_storeu_si256((__m256i *)(q + j), _mm256_setzero_si256());
+      for (size_t j = 0; j < 16; ++j) bs[j] = 0;
+      d[i] = 0.0f;
+      continue;
+    }
+    for (size_t j = 0; j < 256; j += 8) {  // the first value of magnitude amax gives max its sign
+      int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)),
+                                                 _mm256_set1_ps(amax), _CMP_EQ_OQ));
+      if (hit) {
+        max = x[j + __builtin_ctz((unsigned)hit)];
+        break;
+      }
+    }
+    float iscale = -127.0f / max;
+    __m256 by = _mm256_set1_ps(iscale);
+    const __m256i top = _mm256_set1_epi32(127);
+    for (size_t j = 0; j < 256; j += 32) {
+      __m256i v[4];
+      for (size_t u = 0; u < 4; ++u) {
+        __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j + 8 * u), by),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v[u] = _mm256_min_epi32(_mm256_cvttps_epi32(r), top);
+      }
+      for (size_t h = 0; h < 2; ++h) {  // the sums of values j + 16 h .. + 15
+        __m256i t = _mm256_add_epi32(v[2 * h], v[2 * h + 1]);
+        __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+        t4 = _mm_hadd_epi32(t4, t4);
+        t4 = _mm_hadd_epi32(t4, t4);
+        bs[j / 16 + h] = (int16_t)_mm_cvtsi128_si32(t4);
+      }
+      __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+      packed = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256((__m256i *)(q + j), packed);
+    }
+    d[i] = 1.0f / iscale;
+  }
+}
+
 // Q4 weights hold a block's 32 values as 16 bytes (value j in the low nibble of byte j, value
 // j + 16 in its high nibble), so two consecutive blocks are one 32-byte load whose low nibbles are
 // values 0..15 of both blocks and whose high nibbles are values 16..31. For them, x's quantized
@@ -181,9 +237,12 @@ static void pair_blocks(int8_t *q, size_t mc, size_t K) {
 
 // Workspace of one workgroup: its rows of x quantized (q, with per block the scale xd and
 // xd * sum of q, xs), and for the row of w at hand the products of its block scales with x's (cs).
+// For the K-quants x is quantized per 256 values instead (quantize_x_k): xd holds a scale per 256
+// values, and bs the sums of each 16 of q.
 typedef struct {
   int8_t q[XQ_BYTES];
   float xd[XQ_BYTES / 32], xs[XQ_BYTES / 32], cs[XQ_BYTES / 32];
+  int16_t bs[XQ_BYTES / 16];
   float xn[XN_FLOATS];  // x RMS-normalized, for the products that normalize it (rms_norm_rows)
 } workspace;
 
@@ -966,18 +1025,35 @@ NOINLINE void read_rows(int kind, const matrix *w, size_t n, size_t rows, size_t
 
 // ---- K-quants, a row at a time ----
 //
-// A Q4_K, Q5_K or Q6_K row is super-blocks of 256 values, each x's 8 blocks of 32; x is quantized
-// in blocks of 32 as for the other types (not paired). Q4_K: value = d sc[j] q - dmin mn[j] for q
-// in 0..15 and 6-bit sc, mn per 32 values j; Q5_K the same with q in 0..31; Q6_K: value =
-// d sc[j] (q - 32) for q in 0..63 and signed 8-bit sc per 16 values j (ggml's
-// dequantize_row_q4_K, _q5_K and _q6_K).
+// A Q4_K, Q5_K or Q6_K row is super-blocks of 256 values, each one of x's blocks (quantize_x_k).
+// Q4_K: value = d sc[j] q - dmin mn[j] for q in 0..15 and 6-bit sc, mn per 32 values j; Q5_K the
+// same with q in 0..31; Q6_K: value = d sc[j] (q - 32) for q in 0..63 and signed 8-bit sc per 16
+// values j (ggml's dequantize_row_q4_K, _q5_K and _q6_K). Per super-block and row of x, the
+// products of 32 values are a `maddubs`, a `madd` by their scale and an integer add, and the
+// super-block's sum is scaled once; the mins (Q4_K, Q5_K) and Q6_K's -32 are x's sums of 16 (bs)
+// times the scales, a `madd` a super-block.
 
-// Q4_K's eight 6-bit scales and mins, packed in 12 bytes (ggml's get_scale_min_k4)
-INLINE void k4_scales(const uint8_t *q, uint8_t sc[8], uint8_t mn[8]) {
-  for (int j = 0; j < 4; ++j) {
-    sc[j] = q[j] & 63, mn[j] = q[j + 4] & 63;
-    sc[j + 4] = (q[j + 8] & 15) | ((q[j] >> 6) << 4), mn[j + 4] = (q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4);
-  }
+// Q4_K's eight 6-bit scales and mins, packed in 12 bytes (ggml's get_scale_min_k4: bytes 0..3
+// hold the low 6 bits of scales 0..3, bytes 4..7 of mins 0..3, and their top 2 bits the high
+// bits of scales and mins 4..7, whose low 4 bits are bytes 8..11's nibbles), as 16-bit lanes: the
+// scales in lanes 0..7 of each 128-bit half (sc8), the mins each in two lanes, 2j and 2j + 1 (mn16,
+// to meet x's sums of 16).
+INLINE void k4_scales(const uint8_t *q, __m256i *sc8, __m256i *mn16) {
+  uint32_t u[3];
+  __builtin_memcpy(u, q, 12);
+  const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x30303030;
+  uint32_t sc_lo = u[0] & low6, sc_hi = (u[2] & low4) | ((u[0] >> 2) & top2);
+  uint32_t mn_lo = u[1] & low6, mn_hi = ((u[2] >> 4) & low4) | ((u[1] >> 2) & top2);
+  __m128i sc = _mm_cvtepu8_epi16(_mm_setr_epi32((int)sc_lo, (int)sc_hi, 0, 0));
+  __m128i mn = _mm_setr_epi32((int)mn_lo, (int)mn_hi, 0, 0);
+  *sc8 = _mm256_broadcastsi128_si256(sc);
+  *mn16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mn, mn));
+}
+
+// Every 16-bit lane of v's low 128-bit half set to that half's lane j0, of its high half to lane j1
+INLINE __m256i lanes16(__m256i v, int j0, int j1) {
+  return _mm256_shuffle_epi8(v, _mm256_setr_m128i(_mm_set1_epi16((short)(0x0202 * j0 + 0x0100)),
+                                                  _mm_set1_epi16((short)(0x0202 * j1 + 0x0100))));
 }
 
 // One Q4_K or Q5_K row (qs 128 bytes a super-block: 32 bytes hold two blocks, the low nibbles one
@@ -986,19 +1062,18 @@ INLINE void k4_scales(const uint8_t *q, uint8_t sc[8], uint8_t mn[8]) {
 // out.
 INLINE void q4k_row(int kind, const workspace *ws, const uint8_t *qs, const uint16_t *d, const uint16_t *dmin,
                     const uint8_t *scales, const uint8_t *qh, size_t MC, size_t K, float *out) {
-  size_t B = K / 32;
-  const __m256i low4 = _mm256_set1_epi8(15);
+  size_t S = K / 256;
+  const __m256i low4 = _mm256_set1_epi8(15), fifth = _mm256_set1_epi8(16);
   __m256 acc[MC];
-  float off[MC];
-  for (size_t i = 0; i < MC; ++i) acc[i] = _mm256_setzero_ps(), off[i] = 0.0f;
-  for (size_t s = 0; s < K / 256; ++s, qs += 128, scales += 12, qh += kind == Q5_K ? 32 : 0) {
+  for (size_t i = 0; i < MC; ++i) acc[i] = _mm256_setzero_ps();
+  for (size_t s = 0; s < S; ++s, qs += 128, scales += 12, qh += kind == Q5_K ? 32 : 0) {
     PREFETCH_LINE(qs);
     PREFETCH_LINE(qs + 64);
     if (kind == Q5_K) PREFETCH_LINE(qh);
-    uint8_t sc[8], mn[8];
-    k4_scales(scales, sc, mn);
-    float ds = half(d[s]), dm = half(dmin[s]);
-    const __m256i h = kind == Q5_K ? load32(qh) : _mm256_setzero_si256(), fifth = _mm256_set1_epi8(16);
+    __m256i sc8, mn16, sum[MC];
+    k4_scales(scales, &sc8, &mn16);
+    for (size_t i = 0; i < MC; ++i) sum[i] = _mm256_setzero_si256();
+    const __m256i h = kind == Q5_K ? load32(qh) : _mm256_setzero_si256();
     for (size_t c = 0; c < 4; ++c) {
       __m256i v = load32(qs + 32 * c);
       __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
@@ -1008,21 +1083,22 @@ INLINE void q4k_row(int kind, const workspace *ws, const uint8_t *qs, const uint
         lo = _mm256_or_si256(lo, _mm256_and_si256(h0, fifth));
         hi = _mm256_or_si256(hi, _mm256_and_si256(h1, fifth));
       }
-      size_t b = 8 * s + 2 * c;
-      for (size_t i = 0; i < MC; ++i) {
-        const int8_t *xq = ws->q + i * K + 32 * b;
-        const float *xd = ws->xd + i * B + b;
-        acc[i] = _mm256_fmadd_ps(dot_u8s8(lo, load32(xq)), _mm256_set1_ps(ds * sc[2 * c] * xd[0]), acc[i]);
-        acc[i] = _mm256_fmadd_ps(dot_u8s8(hi, load32(xq + 32)), _mm256_set1_ps(ds * sc[2 * c + 1] * xd[1]), acc[i]);
+      __m256i s_lo = lanes16(sc8, 2 * (int)c, 2 * (int)c), s_hi = lanes16(sc8, 2 * (int)c + 1, 2 * (int)c + 1);
+      for (size_t i = 0; i < MC; ++i) {  // |maddubs| <= 2 * 31 * 127: no saturation
+        const int8_t *xq = ws->q + i * K + 256 * s + 64 * c;
+        sum[i] = _mm256_add_epi32(sum[i], _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, load32(xq)), s_lo),
+                                                           _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load32(xq + 32)), s_hi)));
       }
     }
+    float ds = half(d[s]), dm = half(dmin[s]);
     for (size_t i = 0; i < MC; ++i) {
-      float m = 0.0f;
-      for (size_t j = 0; j < 8; ++j) m += mn[j] * ws->xs[i * B + 8 * s + j];
-      off[i] -= dm * m;
+      float xd = ws->xd[i * S + s];
+      __m256i mins = _mm256_madd_epi16(mn16, load32(ws->bs + i * (K / 16) + 16 * s));
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[i]), _mm256_set1_ps(ds * xd), acc[i]);
+      acc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_set1_ps(dm * xd), acc[i]);
     }
   }
-  for (size_t i = 0; i < MC; ++i) out[i] = hsum(acc[i]) + off[i];
+  for (size_t i = 0; i < MC; ++i) out[i] = hsum(acc[i]);
 }
 
 // One Q6_K row (per super-block: ql 128 bytes of low nibbles, qh 64 bytes of 2-bit high parts,
@@ -1031,15 +1107,20 @@ INLINE void q4k_row(int kind, const workspace *ws, const uint8_t *qs, const uint
 // low nibble for g < 2, and bits 2g, 2g + 1 of qh[l]; scale sc[8 half + 2g + l / 16].
 INLINE void q6k_row(const workspace *ws, const uint8_t *ql, const uint16_t *d, const uint8_t *qh,
                     const int8_t *scales, size_t MC, size_t K, float *out) {
-  size_t B = K / 32;
-  const __m256i low4 = _mm256_set1_epi8(15), high2 = _mm256_set1_epi8(0x30), m32 = _mm256_set1_epi8(32);
+  size_t S = K / 256;
+  const __m256i low4 = _mm256_set1_epi8(15), high2 = _mm256_set1_epi8(0x30);
   __m256 acc[MC];
   for (size_t i = 0; i < MC; ++i) acc[i] = _mm256_setzero_ps();
-  for (size_t s = 0; s < K / 256; ++s, ql += 128, qh += 64, scales += 16) {
+  for (size_t s = 0; s < S; ++s, ql += 128, qh += 64, scales += 16) {
     PREFETCH_LINE(ql);
     PREFETCH_LINE(ql + 64);
     PREFETCH_LINE(qh);
-    float ds = half(d[s]);
+    __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scales)), sum[MC];
+    // each half's eight scales in both 128-bit halves, for lanes16
+    const __m256i half_sc[2] = {_mm256_permute2x128_si256(sc, sc, 0x00), _mm256_permute2x128_si256(sc, sc, 0x11)};
+    for (size_t i = 0; i < MC; ++i)  // the -32 of every value: x's sums of 16 times the scales
+      sum[i] = _mm256_sub_epi32(_mm256_setzero_si256(),
+                                _mm256_slli_epi32(_mm256_madd_epi16(sc, load32(ws->bs + i * (K / 16) + 16 * s)), 5));
     for (size_t h = 0; h < 2; ++h) {
       __m256i l0 = load32(ql + 64 * h), l1 = load32(ql + 64 * h + 32), hb = load32(qh + 32 * h);
       __m256i q[4] = {
@@ -1049,19 +1130,17 @@ INLINE void q6k_row(const workspace *ws, const uint8_t *ql, const uint16_t *d, c
           _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
                           _mm256_and_si256(_mm256_srli_epi16(hb, 2), high2))};
       for (size_t g = 0; g < 4; ++g) {
-        const int8_t *sc = scales + 8 * h + 2 * g;
         // the block's two scales, one for each 16 values: 16-bit lanes 0..7, then 8..15
-        __m256i sc16 = _mm256_set_m128i(_mm_set1_epi16(sc[1]), _mm_set1_epi16(sc[0]));
-        size_t b = 8 * s + 4 * h + g;
-        for (size_t i = 0; i < MC; ++i) {
-          __m256i xb = load32(ws->q + i * K + 32 * b);
-          // (q - 32) x in pairs: |.| <= 2 * 63 * 127 before the subtraction, so no saturation
-          __m256i pairs = _mm256_sub_epi16(_mm256_maddubs_epi16(q[g], xb), _mm256_maddubs_epi16(m32, xb));
-          __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, sc16));
-          acc[i] = _mm256_fmadd_ps(p, _mm256_set1_ps(ds * ws->xd[i * B + b]), acc[i]);
+        __m256i sc16 = lanes16(half_sc[h], 2 * (int)g, 2 * (int)g + 1);
+        for (size_t i = 0; i < MC; ++i) {  // |maddubs| <= 2 * 63 * 127: no saturation
+          __m256i xb = load32(ws->q + i * K + 256 * s + 128 * h + 32 * g);
+          sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(q[g], xb), sc16));
         }
       }
     }
+    float ds = half(d[s]);
+    for (size_t i = 0; i < MC; ++i)
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[i]), _mm256_set1_ps(ds * ws->xd[i * S + s]), acc[i]);
   }
   for (size_t i = 0; i < MC; ++i) out[i] = hsum(acc[i]);
 }
@@ -1154,17 +1233,28 @@ static void rms_norm_rows(const float *x, const float *g, float eps, size_t M, s
   }
 }
 
-// Rows [m0, m0 + mc) of x [M, K] prepared in ws for the products of weights of `kind`: quantized
-// in blocks of 32 (and paired, for Q4 and Q5_0), unless F16; where g is not null, all of x is first
-// RMS-normalized by it into ws->xn (with the first rows, m0 = 0). Returns x as the products read
-// it: ws->xn, or x itself.
-INLINE const float *prepare_x(int kind, const float *x, const float *g, float eps, size_t M, size_t K, size_t m0,
-                              size_t mc, workspace *ws) {
-  if (g) {
-    if (m0 == 0) rms_norm_rows(x, g, eps, M, K, ws->xn);
-    x = ws->xn;
+// Rows [m0, m0 + mc) of x [M, K] prepared in ws for the products of weights of `kind`: where g is
+// not null, RMS-normalized by it into ws->xn (a row at a time, as each is quantized; F16's mc
+// rows at once, mc K <= XN_FLOATS); then, unless F16, quantized in blocks of 256 for the K-quants,
+// else of 32 (and paired, for Q4 and Q5_0). Returns the rows as the F16 products read them: in
+// ws->xn, or in x.
+INLINE const float *prepare_x(int kind, const float *x, const float *g, float eps, size_t K, size_t m0, size_t mc,
+                              workspace *ws) {
+  x += m0 * K;
+  if (kind == F16) {
+    if (!g) return x;
+    rms_norm_rows(x, g, eps, mc, K, ws->xn);
+    return ws->xn;
   }
-  if (kind != F16) quantize_x(x + m0 * K, mc, K, ws->q, ws->xd, ws->xs);
+  const int per_256 = kind == Q4_K || kind == Q5_K || kind == Q6_K;
+  for (size_t i = 0, rows = g ? 1 : mc; i < mc; i += rows) {  // normalized: a row at a time
+    const float *xi = x + i * K;
+    if (g) rms_norm_rows(xi, g, eps, 1, K, ws->xn), xi = ws->xn;
+    if (per_256)
+      quantize_x_k(xi, rows, K, ws->q + i * K, ws->xd + i * (K / 256), ws->bs + i * (K / 16));
+    else
+      quantize_x(xi, rows, K, ws->q + i * K, ws->xd + i * (K / 32), ws->xs + i * (K / 32));
+  }
   if (kind == Q4_0 || kind == Q4_1 || kind == Q5_0) pair_blocks(ws->q, mc, K);
   return x;
 }
@@ -1173,18 +1263,17 @@ INLINE const float *prepare_x(int kind, const float *x, const float *g, float ep
 INLINE void put(float *y, const float *r, size_t at, float v) { y[at] = r ? r[at] + v : v; }
 
 // Outputs [n0, n1) of the product of rows [m0, m0 + mc) of x [M, K] (prepared in ws by
-// prepare_x) with the `count` matrices w. CONCAT: N outputs, the rows of the matrices one after
-// the other, and y the products [M, w[j].n] one after the other (so that each is a contiguous
-// tensor); SWIGLU: N = w[0].n and y [M, N]. Interleaved weights go eight rows at a time: each
-// matrix's rows, and so n0, are a multiple of 8. With a residual r (CONCAT, laid out as y), y =
-// r + product.
+// prepare_x, which returned those rows as x) with the `count` matrices w. CONCAT: N outputs, the
+// rows of the matrices one after the other, and y the products [M, w[j].n] one after the other
+// (so that each is a contiguous tensor); SWIGLU: N = w[0].n and y [M, N]. Interleaved weights go
+// eight rows at a time: each matrix's rows, and so n0, are a multiple of 8. With a residual r
+// (CONCAT, laid out as y), y = r + product.
 INLINE void product_rows(int kind, int op, workspace *ws, const float *x, const matrix *w, size_t count,
                          const float *r, float *y, size_t M, size_t N, size_t K, size_t m0, size_t mc, size_t n0,
                          size_t n1) {
   // rows of w at a time
   const size_t group = kind == Q4_0X8 || kind == Q4_1X8 || kind == Q5_0X8 || kind == Q8_0X8 ? 8 : 1;
   const int pairs = kind == F16 && F16_PAIRS(mc);  // F16 rows of w two at a time (f16_pairs)
-  x += m0 * K;
   size_t j = 0, first = 0;  // the matrix holding output n, its first output
   for (size_t n = n0, step; n < n1; n += step) {
     while (op == CONCAT && j + 1 < count && n >= first + w[j].n) first += w[j++].n;
@@ -1246,10 +1335,12 @@ INLINE void product_rows(int kind, int op, workspace *ws, const float *x, const 
   }
 }
 
-// Rows of x the products take at a time from m0: F16 up to MAX_M, else as many as ws holds
-// quantized (chunk_rows).
-INLINE size_t x_rows(int kind, size_t M, size_t m0, size_t K) {
-  return kind == F16 ? (M - m0 < MAX_M ? M - m0 : MAX_M) : chunk_rows(M, m0, K);
+// Rows of x the products take at a time from m0: F16 up to MAX_M (normalized: as many as ws->xn
+// holds), else as many as ws holds quantized (chunk_rows).
+INLINE size_t x_rows(int kind, const float *g, size_t M, size_t m0, size_t K) {
+  if (kind != F16) return chunk_rows(M, m0, K);
+  size_t left = M - m0, most = g && XN_FLOATS / K < MAX_M ? XN_FLOATS / K : MAX_M;
+  return left < most ? left : most;
 }
 
 // Outputs [n0, n1) of the product of all of x [M, K] (normalized by g where not null) with the
@@ -1258,20 +1349,20 @@ INLINE void product_all_rows(int kind, int op, workspace *ws, const float *x, co
                              const matrix *w, size_t count, const float *r, float *y, size_t M, size_t N, size_t K,
                              size_t n0, size_t n1) {
   for (size_t m0 = 0, mc; m0 < M; m0 += mc) {
-    mc = x_rows(kind, M, m0, K);
-    const float *xm = prepare_x(kind, x, g, eps, M, K, m0, mc, ws);
+    mc = x_rows(kind, g, M, m0, K);
+    const float *xm = prepare_x(kind, x, g, eps, K, m0, mc, ws);
     product_rows(kind, op, ws, xm, w, count, r, y, M, N, K, m0, mc, n0, n1);
   }
 }
 
 // Outputs [n0, n1) of workgroup wg (`rows` per workgroup) of the product of x [M, K] with the
 // `count` matrices w (see product_rows). With a norm weight g [K] (not null), x is first
-// RMS-normalized by it (each workgroup normalizes all of x, M * K <= XN_FLOATS values). So a
-// decode layer's norms and residual adds take no dispatch of their own.
+// RMS-normalized by it (each workgroup normalizes the rows it takes, K <= XN_FLOATS). So a layer's
+// norms and residual adds take no dispatch of their own.
 INLINE void matvec(int kind, int op, const float *x, const float *g, float eps, const matrix *w, size_t count,
                    const float *r, float *y, size_t M, size_t N, size_t K, size_t rows, size_t wg) {
   ROW_RANGE
-  if (K / 32 > MAX_BLOCKS || (g && M * K > XN_FLOATS)) return;  // never traced: kernels routes only these
+  if (K / 32 > MAX_BLOCKS || (g && K > XN_FLOATS)) return;  // never traced: kernels routes only these
   workspace ws;
   product_all_rows(kind, op, &ws, x, g, eps, w, count, r, y, M, N, K, n0, n1);
 }
@@ -2070,8 +2161,8 @@ INLINE void product_phase(int kind, int op, const float *x, const float *g, floa
                           size_t p, size_t W, size_t wg, upcoming next) {
   if (K / 32 > MAX_BLOCKS || (g && M * K > XN_FLOATS)) return;  // never traced: kernels routes only these
   workspace ws;
-  int whole = x_rows(kind, M, 0, K) == M;  // x prepared once for the phase
-  const float *xm = whole ? prepare_x(kind, x, g, eps, M, K, 0, M, &ws) : x;
+  int whole = x_rows(kind, g, M, 0, K) == M;  // x prepared once for the phase
+  const float *xm = whole ? prepare_x(kind, x, g, eps, K, 0, M, &ws) : x;
   if (!whole) chunk *= span_chunks(N, chunk, W);
   size_t per = span_chunks(N, chunk, W), total = chunks_of(N, chunk), done = 0;
   for (size_t k = 0; k < W; ++k) {  // its own span from the front, then the others' from their back

@@ -34,8 +34,8 @@ def _dequantized(kind: str, planes, k: int) -> torch.Tensor:
 
 
 def _eager(kind: str, form: Form, x: torch.Tensor, *args) -> torch.Tensor:
-    """The kernel's result in torch: x (normalized as ops.rms_norm, then Q8_0-quantized for
-    quantized weights) times each matrix."""
+    """The kernel's result in torch: x (normalized as ops.rms_norm, then quantized as the kernel
+    quantizes it for quantized weights: quantized_x) times each matrix."""
     from ..ops import rms_norm
 
     if form.norm:
@@ -43,7 +43,7 @@ def _eager(kind: str, form: Form, x: torch.Tensor, *args) -> torch.Tensor:
         g, *args = args
         x = rms_norm(x, g, eps)
     planes, residual = (args[:-1], args[-1]) if form.residual else (args, None)
-    x = x if kind == "F16" else quantized_x(x)
+    x = x if kind == "F16" else quantized_x(x, kind)
     per = len(PLANES[kind])
     ys = [torch.mm(x, _dequantized(kind, planes[i:i + per], x.shape[1]).t()) for i in range(0, len(planes), per)]
     if form.swiglu:
