@@ -1,6 +1,8 @@
 """Runtime guards: the runner checks every input against the exported ranges before a call
 (IREE does not check dynamic dimensions), and the generate loop owns pages safely."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -117,6 +119,25 @@ def test_local_task_gets_a_worker_per_cpu(compiled_of):
     assert proc.returncode == 0, proc.stderr
     workers, cpus = map(int, proc.stdout.split())
     assert workers == cpus
+
+
+@pytest.mark.slow
+def test_a_model_that_does_not_fit_fails_before_loading(compiled_of, monkeypatch):
+    """Where the archive's weights and the KV cache together exceed the memory the system has
+    available (MemAvailable), the session refuses to load, naming the archive, the bytes needed
+    and the bytes free; with enough available it loads."""
+    from sharkport.runtime import session as sessions
+
+    vmfb, irpa, config = compiled_of("gqa-untied")
+    service = sessions.ServiceConfig.load(config)
+    cache = 8 * service.page_elems * np.dtype(service.kv_cache_dtype).itemsize
+    weights = irpa.stat().st_size
+    monkeypatch.setattr(sessions, "_available_bytes", lambda: weights + cache // 2)
+    with pytest.raises(SharkportError, match=rf"{re.escape(str(irpa))}: the weights \(.* GiB\) and a KV cache of 8 "
+                                             r"pages \(.* GiB\) need .* GiB and the system has .* GiB available"):
+        sessions.IreeSession(vmfb, irpa, config, pages=8)
+    monkeypatch.setattr(sessions, "_available_bytes", lambda: weights + 2 * cache)
+    assert sessions.IreeSession(vmfb, irpa, config, pages=8).pages == 8
 
 
 def test_bad_spin_setting_is_one_clear_error():

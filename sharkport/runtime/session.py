@@ -38,20 +38,29 @@ def _within(a: np.ndarray, end: int) -> bool:
     return not values or (min(values) >= 0 and max(values) < end)
 
 
-def cache_pages(pages: int | None, config: ServiceConfig) -> int:
+def cache_pages(pages: int | None, config: ServiceConfig, weights: tuple[str, int] | None = None) -> int:
     """The cache pages to allocate: `pages`, or the config's device_block_count; refused when not
     a whole number >= 2 (one page is the padding rows' scratch) or when the cache would not fit
-    in the memory the system has available."""
+    in the memory the system has available, beside `weights` (the archive's name and bytes, where
+    the weights are held in this machine's memory)."""
     pages = config.device_block_count if pages is None else pages
     if isinstance(pages, bool) or not isinstance(pages, (int, np.integer)) or pages < 2:
         raise SharkportError(f"--pages {pages}: give a whole number of KV cache pages, at least 2")
     itemsize = np.dtype(_NP_CACHE_DTYPES[config.kv_cache_dtype]).itemsize
     needed = int(pages) * config.page_elems * itemsize * config.tensor_parallelism_size
     free = _available_bytes()
+    if free is not None and weights is not None and weights[1] + needed > free:
+        raise SharkportError(
+            f"{weights[0]}: the weights ({_gib(weights[1])}) and a KV cache of {pages} pages ({_gib(needed)}) need "
+            f"{_gib(weights[1] + needed)} and the system has {_gib(free)} available; give fewer pages or free memory")
     if free is not None and needed > free:
-        raise SharkportError(f"--pages {pages}: the KV cache needs {needed / 2**30:.1f} GiB and the system has "
-                             f"{free / 2**30:.1f} GiB available; give fewer pages")
+        raise SharkportError(f"--pages {pages}: the KV cache needs {_gib(needed)} and the system has {_gib(free)} "
+                             "available; give fewer pages")
     return int(pages)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
 
 
 def _device(rt, uri: str, cache: bool):
@@ -212,10 +221,13 @@ class IreeSession(Session):
             raise SharkportError(f"{vmfb}: not a module IREE can load ({_one_line(e)}); compile it again with "
                                  "`sharkport export --output-vmfb`") from None
         config = checked_against_module(main, config, vmfb, source)
-        self.pages = cache_pages(pages, config)
-        self._calls = threading.Lock()
         n = config.tensor_parallelism_size
         driver = module_driver(vmfb)  # None: a CPU module
+        files, vocab = parameter_files(irpa, n) if n > 1 else ([irpa], None)
+        # a CPU module's weights are read from the archive's pages in memory (at least its bytes)
+        held = None if driver else (str(irpa), sum(Path(f).stat().st_size for f in files))
+        self.pages = cache_pages(pages, config, held)
+        self._calls = threading.Lock()
         self.device_name = device or driver or ("local-sync" if n > 1 else "local-task")
         uris = self.device_name.split(",") if "," in self.device_name else [self.device_name] * n
         if len(uris) != n:
@@ -229,7 +241,6 @@ class IreeSession(Session):
         if any(uri.startswith("local-task") for uri in uris):
             tune_local_task(rt)
         devices = [_device(rt, uri, n == 1) for uri in uris]  # N > 1: N devices, not one shared
-        files, vocab = parameter_files(irpa, n) if n > 1 else ([irpa], None)
         index = rt.ParameterIndex()
         for f in files:  # rank files' names are distinct (`.shard.{r}`): all load into scope "model"
             index.load(str(f), mmap=True)
