@@ -15,14 +15,15 @@ work and wait for each other inside the dispatch.
 With quantized weights it multiplies 8-bit integers, as llama.cpp does on CPUs: x is quantized
 per block of 32 values as gguf's Q8_0 quantizer does, or for the K-quants per 256 values as
 llama.cpp's Q8_K, so the product is that of the dequantized weights with the dequantized x
-(`quantized_x`), about 1e-3 relative from the float32 product. IREE 3.9 generates no code that multiplies by quantized weights at memory speed
-(docs/performance.md); the export swaps a model's layers for modules that call these functions
-(sharkport.export.kernels). Each function returns None where its kernel does not apply (a
-dynamic M where a kernel needs a static one, other dtypes, weight types or sizes), and the
-caller computes as before. Prefill's products take the kernels too, over its dynamic number of
-tokens (x quantized eight rows at a time, each workgroup's weight rows read once per eight rows,
-from the caches): faster than IREE's dequantizing matmuls on quantized weights, and the module
-then holds no float32 copy of a weight (docs/performance.md).
+(`quantized_x`), about 1e-3 relative from the float32 product. IREE 3.9 generates no code that
+multiplies by quantized weights at memory speed (docs/performance.md); the export swaps a model's
+layers for modules that call these functions (sharkport.export.kernels). Each function returns
+None where its kernel does not apply (a dynamic M where a kernel needs a static one, other
+dtypes, weight types or sizes), and the caller computes as before. Prefill's products take the
+kernels too, over its dynamic number of tokens (x quantized eight rows at a time, each
+workgroup's weight rows read once per eight rows, from the caches): faster than IREE's
+dequantizing matmuls on quantized weights, and the module then holds no float32 copy of a weight
+(docs/performance.md).
 
 `build` compiles matvec.c for the exporting machine's x86-64 instruction set; `layout` holds
 what the kernels take and how their work is split into workgroups; `ops` makes each kernel a

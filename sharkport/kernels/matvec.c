@@ -1086,8 +1086,9 @@ INLINE void q4k_row(int kind, const workspace *ws, const uint8_t *qs, const uint
       __m256i s_lo = lanes16(sc8, 2 * (int)c, 2 * (int)c), s_hi = lanes16(sc8, 2 * (int)c + 1, 2 * (int)c + 1);
       for (size_t i = 0; i < MC; ++i) {  // |maddubs| <= 2 * 31 * 127: no saturation
         const int8_t *xq = ws->q + i * K + 256 * s + 64 * c;
-        sum[i] = _mm256_add_epi32(sum[i], _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, load32(xq)), s_lo),
-                                                           _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load32(xq + 32)), s_hi)));
+        __m256i p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load32(xq)), s_lo);
+        __m256i p_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load32(xq + 32)), s_hi);
+        sum[i] = _mm256_add_epi32(sum[i], _mm256_add_epi32(p_lo, p_hi));
       }
     }
     float ds = half(d[s]), dm = half(dmin[s]);
