@@ -27,7 +27,7 @@ from .formats import keys
 from .formats.gguf import GgufFile
 from .formats.keys import HPARAMS, LLAMA_KEYS, LlamaHParams
 from .formats.names import LLAMA_NAMES, block_indices
-from .quant import BLOCK_TYPES, PLAIN_TYPES, SUPPORTED_TYPES
+from .quant import BLOCK_TYPES, PLAIN_TYPES, SUPPORTED_TYPES, plane_key
 
 # Shape of every llama tensor (numpy order), keyed by its GGUF name template in LLAMA_NAMES.
 # E embedding, F feed-forward, V vocabulary, H heads, Hkv kv heads, D head dim.
@@ -217,7 +217,7 @@ def expected_entries(layouts: dict[str, dict[str, Any]]) -> Iterator[tuple[str, 
             yield name, name, PLAIN_TYPES[type_name][1], shape
         elif type_name in BLOCK_TYPES and shape and shape[-1] % BLOCK_TYPES[type_name].block_size == 0:
             for plane, (plane_shape, dtype) in BLOCK_TYPES[type_name].plane_shapes(shape).items():
-                yield name, f"{name}:{plane}", dtype.name, plane_shape
+                yield name, plane_key(name, plane, "interleaved_rows" in layout), dtype.name, plane_shape
 
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1, "int32": 4}

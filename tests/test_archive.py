@@ -55,21 +55,50 @@ def test_values_survive_import(mixed_gguf, imported, type_name):
         w = Dataset.load(source).theta[name]
         assert isinstance(w, QuantizedTensor) == (type_name not in ("F32", "F16", "BF16"))
         np.testing.assert_array_equal(_values(w).view(np.uint32), expected.view(np.uint32))
+        if isinstance(w, QuantizedTensor):  # rows gathered as an embedding gathers them, rows interleaved or not
+            ids = torch.tensor([[13, 0, 7], [8, 15, 13]])
+            np.testing.assert_array_equal(w.rows(ids).numpy().view(np.uint32), expected[ids.numpy()].view(np.uint32))
 
 
 def test_archive_layout(imported):
     entries = dict(ParameterArchive(imported).items())
-    # Quantized tensors are stored as their planes, readable with turbine's own API.
-    assert "t.q4_1" not in entries
-    assert entries["t.q4_1:qs"].as_tensor().shape == (16, 8, 16)
+    # Quantized tensors are stored as their planes, readable with turbine's own API; Q8_0, Q4 and
+    # Q5_0 matrices with their rows interleaved eight at a time, under keys of their own.
+    assert "t.q4_1" not in entries and "t.q4_1:qs" not in entries
+    assert entries["t.q4_1:qs:x8"].as_tensor().shape == (16, 8, 16)
     assert entries["t.q6_k:scales"].as_tensor().dtype == torch.int8
-    assert entries["t.q4_1:d"].as_tensor().dtype == torch.float16
+    assert entries["t.q4_1:d:x8"].as_tensor().dtype == torch.float16
     assert entries["t.f16"].as_tensor().dtype == torch.float16
     meta = json.loads(bytes(np.asarray(entries[METADATA_KEY].raw.file_view)))
     assert meta["hparams"]["llama.block_count"] == 1
     assert meta["tokenizer"]["tokenizer.ggml.model"] == "gpt2"
     assert meta["rope_layout"] == "interleaved"
     assert meta["tensors"]["t.q5_1"] == {"type": "Q5_1", "shape": list(SHAPE), "planes": ["d", "m", "qh", "qs"]}
+    assert meta["tensors"]["t.q5_0"] == {"type": "Q5_0", "shape": list(SHAPE), "planes": ["d", "qh", "qs"],
+                                         "interleaved_rows": 8}
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0"])
+def test_rows_are_interleaved_eight_at_a_time(mixed_gguf, imported, type_name):
+    """Per group of eight rows and block b, the archive's qs holds 4 bytes of each row's block at
+    a time (chunk j of row r at byte 4 (8 j + r) of the group's block), then the eight rows'
+    scales (and fifth bits) of block b side by side: byte for byte what the GGUF holds."""
+    name = f"t.{type_name.lower()}"
+    raw = next(t for t in gguf.GGUFReader(mixed_gguf).tensors if t.name == name).data  # [rows, bytes]
+    block = raw.reshape(SHAPE[0], SHAPE[1] // 32, -1)  # [rows, blocks, block bytes]
+    entries = dict(ParameterArchive(imported).items())
+    plane = lambda p: np.asarray(entries[f"{name}:{p}:x8"].raw.file_view).reshape(-1)  # noqa: E731
+    qs_at = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4, "Q5_0": 6}[type_name]  # qs's offset in the block struct
+    size = block.shape[2] - qs_at
+    row, b, j = 13, 2, 3  # row 13 is lane 5 of the second group
+    group = plane("qs")[8 * size * block.shape[1]:]  # the second group's bytes
+    start = b * 8 * size + 4 * (8 * j + 5)
+    np.testing.assert_array_equal(group[start:start + 4], block[row, b, qs_at + 4 * j:qs_at + 4 * j + 4])
+    d = plane("d").view(np.uint8).reshape(2, block.shape[1], 8, 2)  # [groups, blocks, lanes, f16 bytes]
+    np.testing.assert_array_equal(d[1, b, 5], block[row, b, :2])
+    if type_name == "Q5_0":
+        qh = plane("qh").reshape(2, block.shape[1], 8, 4)
+        np.testing.assert_array_equal(qh[1, b, 5], block[row, b, 2:6])
 
 
 def test_unsupported_type_names_tensor_and_writes_nothing(tmp_path):
@@ -150,11 +179,12 @@ def test_a_live_writers_temporary_is_kept(tmp_path):
 
 def _iree_archive(gguf_path, irpa, metadata):
     """The archive IREE's own builder writes for a GGUF: plain tensors as file ranges of the GGUF,
-    quantized ones split into planes with numpy structured views (gguf.GGUFReader's data)."""
+    quantized ones split into planes with numpy structured views (gguf.GGUFReader's data), whole
+    matrices' rows interleaved at once (test_rows_are_interleaved_eight_at_a_time pins how)."""
     import iree.runtime as rt
 
     from sharkport.archive.irpa import entry_metadata
-    from sharkport.quant import BLOCK_TYPES
+    from sharkport.quant import BLOCK_TYPES, interleave_planes, interleaves, plane_key
 
     reader = gguf.GGUFReader(gguf_path)
     index, keys = rt.ParameterIndex(), []
@@ -170,9 +200,11 @@ def _iree_archive(gguf_path, irpa, metadata):
                                            metadata=entry_metadata(dtype, shape))
                 continue
             blocks = np.asarray(t.data).reshape(-1).view(BLOCK_TYPES[name].struct)
-            for field, _, count in BLOCK_TYPES[name].fields:
-                plane = np.ascontiguousarray(blocks[field]).reshape(*shape[:-1], -1, *([count] if count > 1 else []))
-                keys.append(f"{t.name}:{field}")
+            planes = {field: np.ascontiguousarray(blocks[field]).reshape(*shape[:-1], -1, *([count] if count > 1 else []))
+                      for field, _, count in BLOCK_TYPES[name].fields}
+            x8 = interleaves(name, shape)
+            for field, plane in (interleave_planes(planes) if x8 else planes).items():
+                keys.append(plane_key(t.name, field, x8))
                 index.add_buffer(keys[-1], plane.tobytes(),
                                  metadata=entry_metadata(torch.from_numpy(plane).dtype, plane.shape))
         for key, blob in metadata_blobs(metadata, keys):
@@ -256,7 +288,7 @@ def test_dump_gguf_save_loads_neither_torch_nor_iree(mixed_gguf, tmp_path):
     out = subprocess.run([sys.executable, "-c", code, str(mixed_gguf), str(tmp_path / "x.irpa")],
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
-    assert entries_shape(tmp_path / "x.irpa", "t.q8_0:qs") == (16, 8, 32)
+    assert entries_shape(tmp_path / "x.irpa", "t.q8_0:qs:x8") == (16, 8, 32)
 
 
 def entries_shape(irpa, key):

@@ -57,7 +57,7 @@ def drop_tensor(meta, entries, name="blk.0.ffn_up.weight"):
 
 
 def drop_entry(meta, entries):
-    del entries["blk.0.attn_q.weight:m"]
+    del entries["blk.0.attn_q.weight:m:x8"]
 
 
 def wrong_shape(meta, entries):
@@ -66,8 +66,8 @@ def wrong_shape(meta, entries):
 
 
 def wrong_plane_size(meta, entries):
-    dt, shape, data = entries["token_embd.weight:qs"]
-    entries["token_embd.weight:qs"] = (dt, (32, 1, 16), data.reshape(32, 32)[:, :16].copy())
+    dt, shape, data = entries["token_embd.weight:qs:x8"]
+    entries["token_embd.weight:qs:x8"] = (dt, (32, 1, 16), data.reshape(32, 32)[:, :16].copy())
 
 
 def wrong_plane_list(meta, entries):
@@ -102,10 +102,10 @@ def bpe_without_merges(meta, entries):
 
 BREAKS = {  # name → (edits, the messages every one of which must appear)
     "drop-tensor": ([drop_tensor], [r"blk\.0\.ffn_up\.weight is missing"]),
-    "drop-entry": ([drop_entry], [r"archive entry blk\.0\.attn_q\.weight:m is missing"]),
+    "drop-entry": ([drop_entry], [r"archive entry blk\.0\.attn_q\.weight:m:x8 is missing"]),
     "wrong-shape": ([wrong_shape], [r"output_norm\.weight has shape \[16\]; the hyperparameters give \[32\]"]),
-    "wrong-plane-size": ([wrong_plane_size], [r"token_embd\.weight:qs is int8 \[32, 1, 16\]; its layout needs int8 \[32, 1, 32\]",
-                                              r"token_embd\.weight:qs holds 512 bytes; .* needs 1024"]),
+    "wrong-plane-size": ([wrong_plane_size], [r"token_embd\.weight:qs:x8 is int8 \[32, 1, 16\]; its layout needs int8 \[32, 1, 32\]",
+                                              r"token_embd\.weight:qs:x8 holds 512 bytes; .* needs 1024"]),
     "wrong-plane-list": ([wrong_plane_list], [r"blk\.0\.attn_v\.weight: Q4_0 has planes \['d', 'qs'\]"]),
     "missing-key": ([missing_key], [r"missing the required key llama\.feed_forward_length"]),
     "incoherent-hparams": ([incoherent_hparams], [r"head_count \(2\) is not a multiple of .*head_count_kv \(3\)",
@@ -115,8 +115,8 @@ BREAKS = {  # name → (edits, the messages every one of which must appear)
     "vocab-mismatch": ([vocab_mismatch], [r"llama\.vocab_size is 64 but token_embd\.weight has 32 rows"]),
     "unbuildable-tokenizer": ([bpe_without_merges], [r"the tokenizer cannot be built: .*no tokenizer\.ggml\.merges"]),
     "all-at-once": ([drop_tensor, drop_entry, wrong_shape, wrong_plane_size, wrong_plane_list],
-                    [r"ffn_up\.weight is missing", r"attn_q\.weight:m is missing", r"output_norm\.weight has shape",
-                     r"token_embd\.weight:qs is int8", r"attn_v\.weight: Q4_0 has planes"]),
+                    [r"ffn_up\.weight is missing", r"attn_q\.weight:m:x8 is missing", r"output_norm\.weight has shape",
+                     r"token_embd\.weight:qs:x8 is int8", r"attn_v\.weight: Q4_0 has planes"]),
 }
 
 

@@ -49,10 +49,10 @@ def _gguf_tensors(path) -> dict[str, gguf.ReaderTensor]:
 
 
 def _archive_bytes(w: QuantizedTensor) -> bytes:
-    bt = BLOCK_TYPES[w.type_name]
-    blocks = np.empty(w.planes["d"].shape, bt.struct)
+    bt, planes = BLOCK_TYPES[w.type_name], w.row_order().planes
+    blocks = np.empty(planes["d"].shape, bt.struct)
     for field, _, _ in bt.fields:
-        blocks[field] = w.planes[field].numpy()
+        blocks[field] = planes[field].numpy()
     return blocks.tobytes()
 
 

@@ -98,7 +98,7 @@ class Linear(torch.nn.Module):
 
     def forward(self, x):
         product = layers.Linear(QuantizedTensor(self.w.type_name, self.w.shape,
-                                                {n: getattr(self, n) for n in self.w.planes}))
+                                                {n: getattr(self, n) for n in self.w.planes}, self.w.interleaved))
         return (KernelLinear(product) if self.kernels else product)(x)
 
 

@@ -12,6 +12,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..errors import SharkportError
+from ..quant import plane_key
 from ..formats.gguf import GgufFile, GgufTensor, read_gguf
 from ..formats.gguf_import import gguf_archive_metadata, import_gguf
 from ..formats.irpa import tensor_layout
@@ -138,11 +139,15 @@ def save_dataset(dataset: Dataset, irpa_path: str | os.PathLike, progress: bool 
     irpa_path = Path(irpa_path)
     if irpa_path.exists() and irpa_path.resolve() == Path(dataset.path).resolve():
         raise SharkportError(f"{irpa_path}: refusing to overwrite the input file; choose another output path")
-    metadata = {**dataset.metadata, "source": dataset.metadata.get("source", Path(dataset.path).name)}
+    metadata = {**dataset.metadata, "source": dataset.metadata.get("source", Path(dataset.path).name),
+                "tensors": dict(dataset.metadata["tensors"])}
 
     def entries(bar) -> Iterator[Entry]:
         for name in metadata["tensors"]:
-            yield from entries_of(name, dataset.theta[name])
+            w = dataset.theta[name]
+            yield from entries_of(name, w)
+            if isinstance(w, QuantizedTensor):  # its rows interleaved as entries_of wrote them
+                metadata["tensors"][name] = tensor_layout(w.type_name, w.shape)
             bar.update(1)
 
     with tqdm(total=len(metadata["tensors"]), unit="tensor", desc=f"write {irpa_path.name}",
@@ -152,11 +157,14 @@ def save_dataset(dataset: Dataset, irpa_path: str | os.PathLike, progress: bool 
 
 
 def entries_of(name: str, w: Weight) -> list[Entry]:
-    """The archive entries of one weight held in memory: itself, or its planes `name:plane`."""
+    """The archive entries of one weight held in memory: itself, or its planes (`plane_keys`;
+    rows interleaved where tensor_layout says so)."""
     import torch
 
     if isinstance(w, QuantizedTensor):
-        return [Entry(f"{name}:{plane}", t.dtype, tuple(t.shape), data=t.contiguous().numpy())
+        if not w.interleaved:
+            w = QuantizedTensor.held(w.type_name, w.shape, w.planes)
+        return [Entry(plane_key(name, plane, w.interleaved), t.dtype, tuple(t.shape), data=t.contiguous().numpy())
                 for plane, t in w.planes.items()]
     bits = w.view(torch.int16) if w.dtype == torch.bfloat16 else w  # numpy has no bfloat16
     return [Entry(name, w.dtype, tuple(w.shape), data=bits.contiguous().numpy())]

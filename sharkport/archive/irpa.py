@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any, Iterable
 import numpy as np
 
 from ..errors import SharkportError, is_whole, short
-from ..formats.irpa import (ARCHIVE_VERSION, DTYPES, METADATA_KEY, Slot, copy_range, tensor_metadata, with_metadata,
-                            write_at, write_slots)
+from ..formats.irpa import (ARCHIVE_VERSION, DTYPES, METADATA_KEY, Slot, copy_range, plane_keys, tensor_metadata,
+                            with_metadata, write_at, write_slots)
 
 __all__ = ["ARCHIVE_VERSION", "METADATA_KEY", "Entry", "entry_metadata", "write_archive", "index_metadata",
            "parse_metadata", "read_archive", "read_metadata"]
-from ..quant import BLOCK_TYPES, PLAIN_TYPES
+from ..quant import BLOCK_TYPES, INTERLEAVED_ROWS, PLAIN_TYPES, interleaves
 from .tensors import QuantizedTensor, Weight
 
 if TYPE_CHECKING:
@@ -152,6 +152,9 @@ def layout_problem(name: str, layout: Any) -> str | None:
         return f"{short(name)} the shape {short(shape)}, not a list of whole numbers"
     if kind in BLOCK_TYPES and layout.get("planes") != [f for f, _, _ in BLOCK_TYPES[kind].fields]:
         return f"{short(name)} of type {kind} the planes {short(layout.get('planes'))}"
+    rows = layout.get("interleaved_rows")
+    if rows is not None and (rows != INTERLEAVED_ROWS or not interleaves(kind, shape)):
+        return f"{short(name)} of type {kind} and shape {shape} rows interleaved by {short(rows)}"
     return None
 
 
@@ -182,8 +185,9 @@ def read_archive(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Wei
         if layout["type"] in PLAIN_TYPES:
             weights[name] = tensor(name)
         else:
-            planes = {p: tensor(f"{name}:{p}") for p in layout["planes"]}
-            weights[name] = QuantizedTensor(layout["type"], tuple(layout["shape"]), planes)
+            planes = {p: tensor(key) for p, key in zip(layout["planes"], plane_keys(name, layout))}
+            weights[name] = QuantizedTensor(layout["type"], tuple(layout["shape"]), planes,
+                                            interleaved="interleaved_rows" in layout)
     return metadata, weights, index
 
 
@@ -231,8 +235,7 @@ def _open(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, tuple[str,
 
     tensors = {}
     for name, layout in metadata["tensors"].items():
-        keys = [name] if layout["type"] in PLAIN_TYPES else [f"{name}:{p}" for p in layout["planes"]]
-        tensors.update((key, described(key)) for key in keys)
+        tensors.update((key, described(key)) for key in plane_keys(name, layout))
     return metadata, tensors, index
 
 

@@ -18,6 +18,7 @@ import torch
 from gguf import quants
 
 from ..errors import SharkportError
+from ..formats.irpa import tensor_layout
 from ..quant import BLOCK_TYPES, PLAIN_TYPES
 from . import Dataset, QuantizedTensor, Theta, Weight
 from .tensors import weight_from_raw
@@ -122,10 +123,7 @@ def requantized(dataset: Dataset, plan: dict[str, str]) -> Dataset:
     tensor in memory at a time), with the metadata's tensor layouts to match."""
     tensors = {}
     for name, layout in dataset.metadata["tensors"].items():
-        target = plan[name]
-        tensors[name] = {"type": target, "shape": layout["shape"]}
-        if target in BLOCK_TYPES:
-            tensors[name]["planes"] = [f for f, _, _ in BLOCK_TYPES[target].fields]
+        tensors[name] = tensor_layout(plan[name], tuple(layout["shape"]))
     metadata = {**dataset.metadata, "tensors": tensors}
     return replace(dataset, metadata=metadata, theta=Theta(_Requantized(dataset, plan)))
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Union
 
 import numpy as np
 
-from ..quant import BLOCK_TYPES, PLAIN_TYPES
+from ..quant import BLOCK_TYPES, PLAIN_TYPES, interleave_planes, interleaves
 
 if TYPE_CHECKING:
     import torch
@@ -16,19 +16,45 @@ if TYPE_CHECKING:
 
 @dataclass
 class QuantizedTensor:
-    """A block-quantized tensor of logical `shape`, held as its planes (see sharkport.quant)."""
+    """A block-quantized tensor of logical `shape`, held as its planes (see sharkport.quant),
+    `interleaved`: with its rows interleaved eight at a time (quant.interleave_planes)."""
 
     type_name: str
     shape: tuple[int, ...]
     planes: dict[str, torch.Tensor]
+    interleaved: bool = False
+
+    @classmethod
+    def held(cls, type_name: str, shape: tuple[int, ...], planes: dict) -> "QuantizedTensor":
+        """A tensor of planes in row order, held as an archive holds it: interleaved where
+        quant.interleaves says so."""
+        if interleaves(type_name, shape):
+            return cls(type_name, tuple(shape), interleave_planes(planes), interleaved=True)
+        return cls(type_name, tuple(shape), planes)
+
+    def row_order(self) -> "QuantizedTensor":
+        """This tensor with its planes in row order."""
+        if not self.interleaved:
+            return self
+        return QuantizedTensor(self.type_name, self.shape, interleave_planes(self.planes, inverse=True))
 
     def dequant(self) -> torch.Tensor:
         """float32 values of `shape`."""
-        return BLOCK_TYPES[self.type_name].dequant(self.planes)
+        return BLOCK_TYPES[self.type_name].dequant(self.row_order().planes)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantizes only the rows `ids` of a 2-D tensor: [*ids.shape, shape[-1]] float32."""
-        return BLOCK_TYPES[self.type_name].dequant({k: p[ids] for k, p in self.planes.items()})
+        if not self.interleaved:
+            return BLOCK_TYPES[self.type_name].dequant({k: p[ids] for k, p in self.planes.items()})
+        import torch
+
+        # each id's group of eight rows (a gather by one index, as IREE lowers it), put in row order
+        # and dequantized, then the id's row of the eight
+        groups = {k: p.reshape(p.shape[0] // 8, -1)[ids // 8].reshape(-1, *p.shape[1:]) for k, p in self.planes.items()}
+        rows = QuantizedTensor(self.type_name, self.shape, groups, interleaved=True).row_order()
+        values = BLOCK_TYPES[self.type_name].dequant(rows.planes).reshape(*ids.shape, 8, self.shape[-1])
+        lane = (ids % 8)[..., None, None].expand(*ids.shape, 1, self.shape[-1])
+        return values.gather(-2, lane).squeeze(-2)
 
 
 # For annotations only; "torch.Tensor" stays a name so that importing this needs no torch.
@@ -37,7 +63,8 @@ Weight = Union["torch.Tensor", QuantizedTensor]
 
 def weight_from_raw(type_name: str, shape: tuple[int, ...], raw: np.ndarray) -> Weight:
     """One tensor's bytes as ggml stores them (any contiguous array) → a plain torch tensor of
-    `shape`, or a QuantizedTensor holding its planes. Plain values are copied; planes are split."""
+    `shape`, or a QuantizedTensor holding its planes as an archive holds them (QuantizedTensor.held).
+    Plain values are copied; planes are split."""
     import torch
 
     raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
@@ -46,7 +73,7 @@ def weight_from_raw(type_name: str, shape: tuple[int, ...], raw: np.ndarray) -> 
         values = torch.from_numpy(raw.copy().view(np_dtype))
         return values.view(getattr(torch, torch_dtype)).reshape(shape)
     planes = BLOCK_TYPES[type_name].unpack(raw, shape)
-    return QuantizedTensor(type_name, tuple(shape), {k: torch.from_numpy(v) for k, v in planes.items()})
+    return QuantizedTensor.held(type_name, tuple(shape), {k: torch.from_numpy(v) for k, v in planes.items()})
 
 
 class Theta:

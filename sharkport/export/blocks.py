@@ -71,14 +71,14 @@ class Block:
 
 def _flatten(theta: Theta) -> tuple[tuple, list[torch.Tensor]]:
     """A block's weights as a flat tensor list, and the structure that rebuilds them
-    (`_unflatten`): names, quantization types, plane names, shapes and dtypes. Layers of equal
+    (`_unflatten`): names, quantization types and row layouts, plane names, shapes and dtypes. Layers of equal
     structure share a block function."""
     structure, flat = [], []
     for name in sorted(theta.names()):
         w = theta[name]
         if isinstance(w, QuantizedTensor):
             planes = sorted(w.planes)
-            structure.append((name, w.type_name, w.shape,
+            structure.append((name, (w.type_name, w.interleaved), w.shape,
                               tuple((p, tuple(w.planes[p].shape), w.planes[p].dtype) for p in planes)))
             flat.extend(w.planes[p] for p in planes)
         else:
@@ -89,11 +89,12 @@ def _flatten(theta: Theta) -> tuple[tuple, list[torch.Tensor]]:
 
 def _unflatten(structure: tuple, flat) -> Theta:
     tensors, it = {}, iter(flat)
-    for name, type_name, shape, planes in structure:
-        if type_name is None:
+    for name, quantized, shape, planes in structure:
+        if quantized is None:
             tensors[name] = next(it)
         else:
-            tensors[name] = QuantizedTensor(type_name, shape, {p: next(it) for p, _, _ in planes})
+            type_name, interleaved = quantized
+            tensors[name] = QuantizedTensor(type_name, shape, {p: next(it) for p, _, _ in planes}, interleaved)
     return Theta(tensors)
 
 

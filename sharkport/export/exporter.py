@@ -17,6 +17,7 @@ from .. import kernels
 from ..archive import Dataset, QuantizedTensor
 from ..fileio import atomic_output
 from ..models import CausalLM, ModelConfig, build_model
+from ..quant import plane_key
 from .blocks import BlockTracer, export_block, programs
 from .kernels import use_kernels
 from .abi import (REFLECTION_KEY, ExportConfig, ServiceConfig, dtype_name, dynamic_shapes, example_args,
@@ -29,11 +30,11 @@ __all__ = ["ExportConfig", "ServiceConfig", "export_model", "externalize", "save
 
 def externalize(dataset: Dataset) -> None:
     """Marks every weight (and every plane of a quantized one) as the archive parameter
-    `model::<gguf name>[:<plane>]`, so the traced program loads it by name instead of inlining it."""
+    `model::<gguf name>` (`model::<plane_key>`), so the traced program loads it by name instead of inlining it."""
     for name, w in dataset.theta.items():
         if isinstance(w, QuantizedTensor):
             for plane, t in w.planes.items():
-                ExternalTensorTrait(PARAMETER_SCOPE, f"{name}:{plane}").set(t)
+                ExternalTensorTrait(PARAMETER_SCOPE, plane_key(name, plane, w.interleaved)).set(t)
         else:
             ExternalTensorTrait(PARAMETER_SCOPE, name).set(w)
 

@@ -13,10 +13,10 @@ import numpy as np
 from tqdm import tqdm
 
 from ..errors import SharkportError
-from ..quant import BLOCK_TYPES, PLAIN_TYPES, check_supported
+from ..quant import BLOCK_TYPES, PLAIN_TYPES, check_supported, interleaves
 from .gguf import GgufFile, read_gguf
-from .irpa import (ARCHIVE_VERSION, NUMPY_DTYPE_NAMES, Slot, copy_planes, copy_range, tensor_layout, tensor_metadata,
-                   with_metadata, write_at, write_slots)
+from .irpa import (ARCHIVE_VERSION, NUMPY_DTYPE_NAMES, Slot, copy_planes, copy_range, plane_keys, tensor_layout,
+                   tensor_metadata, with_metadata, write_at, write_slots)
 from .names import gguf_rope_layout
 
 
@@ -43,15 +43,17 @@ def gguf_archive_metadata(gg: GgufFile) -> dict[str, Any]:
 
 def gguf_slots(gg: GgufFile) -> list[Slot]:
     """The archive entries of a GGUF's tensors, in file order: a plain tensor under its name, a
-    quantized one as its planes `name:plane` in block-struct order (shapes from `plane_shapes`)."""
+    quantized one as its planes in block-struct order (keys from `plane_keys`, shapes from
+    `plane_shapes`)."""
     slots = []
     for t in gg.tensors:
         if t.type_name in PLAIN_TYPES:
             slots.append(Slot(t.name, tensor_metadata(PLAIN_TYPES[t.type_name][1], t.shape).encode(), t.n_bytes))
             continue
-        for plane, (shape, dt) in BLOCK_TYPES[t.type_name].plane_shapes(t.shape).items():
+        keys = plane_keys(t.name, tensor_layout(t.type_name, t.shape))
+        for key, (shape, dt) in zip(keys, BLOCK_TYPES[t.type_name].plane_shapes(t.shape).values()):
             n_bytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-            slots.append(Slot(f"{t.name}:{plane}", tensor_metadata(NUMPY_DTYPE_NAMES[dt], shape).encode(), n_bytes))
+            slots.append(Slot(key, tensor_metadata(NUMPY_DTYPE_NAMES[dt], shape).encode(), n_bytes))
     return slots
 
 
@@ -77,7 +79,9 @@ def import_gguf(gguf_file: str | os.PathLike | GgufFile, irpa_path: str | os.Pat
                     copy_range(f.fileno(), t.offset, fd, next(at), t.n_bytes, where)
                 else:
                     block = BLOCK_TYPES[t.type_name]
-                    copy_planes(f.fileno(), t.offset, t.n_bytes, block, fd, [next(at) for _ in block.fields], where)
+                    rows_of = t.shape[-1] // block.block_size if interleaves(t.type_name, t.shape) else 0
+                    copy_planes(f.fileno(), t.offset, t.n_bytes, block, fd, [next(at) for _ in block.fields], where,
+                                rows_of)
                 bar.update(t.n_bytes)
         for blob in blobs:
             write_at(fd, blob, next(at))

@@ -155,7 +155,7 @@ def _gguf_bytes(name: str, weight, layout: dict[str, Any], hp, rope_layout: str)
 
     if layout["type"] in BLOCK_TYPES:  # a QuantizedTensor: its layout names its block type
         block = BLOCK_TYPES[layout["type"]]
-        return rows(block.pack({k: p.numpy() for k, p in weight.planes.items()}))
+        return rows(block.pack({k: p.numpy() for k, p in weight.row_order().planes.items()}))
     if weight.dtype == torch.bfloat16:
         return rows(weight.view(torch.int16).numpy().view(np.uint16))
     return rows(weight.numpy())

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..errors import SharkportError
 from ..fileio import atomic_output
-from ..quant import BLOCK_TYPES, BlockType
+from ..quant import BLOCK_TYPES, INTERLEAVED_ROWS, BlockType, interleave_planes, interleaves, plane_key
 
 METADATA_KEY = "__sharkport__"
 ARCHIVE_VERSION = 1
@@ -217,12 +217,16 @@ def read_at(fd: int, out: np.ndarray, offset: int, where: str) -> None:
 PLANE_CHUNK_BYTES = 2 << 20  # GGUF blocks split per step: fits in cache, and memory stays flat
 
 
-def copy_planes(src: int, src_offset: int, n_bytes: int, block: BlockType, dst: int, dst_offsets: list[int], where: str) -> None:
+def copy_planes(src: int, src_offset: int, n_bytes: int, block: BlockType, dst: int, dst_offsets: list[int],
+                where: str, rows_of: int = 0) -> None:
     """Splits the `n_bytes` of blocks at `src_offset` in file `src` into their planes, written at
     `dst_offsets` (one per field, in struct order) in file `dst`: a bounded chunk of blocks at a
-    time, read with a plain read (mapped pages would stay resident) into reused buffers."""
+    time, read with a plain read (mapped pages would stay resident) into reused buffers. With
+    `rows_of` (the blocks of a row), a matrix's rows are interleaved (interleave_planes) on the
+    way, each chunk whole groups of eight rows."""
     struct_ = block.struct
-    per = max(1, PLANE_CHUNK_BYTES // struct_.itemsize)
+    group = INTERLEAVED_ROWS * rows_of if rows_of else 1
+    per = max(1, PLANE_CHUNK_BYTES // struct_.itemsize // group) * group
     raw = np.empty(per * struct_.itemsize, np.uint8)
     widths = [np.dtype(dt).itemsize * count for _, dt, count in block.fields]
     outs = [np.empty(per * w, np.uint8) for w in widths]
@@ -232,16 +236,28 @@ def copy_planes(src: int, src_offset: int, n_bytes: int, block: BlockType, dst: 
         chunk = raw[:k * struct_.itemsize]
         read_at(src, chunk, src_offset + start * struct_.itemsize, where)
         blocks = chunk.view(struct_)
+        planes = {field: blocks[field] for field, _, _ in block.fields}
+        if rows_of:
+            planes = interleave_planes({f: p.reshape(k // rows_of, rows_of, *p.shape[1:]) for f, p in planes.items()})
         for (field, dt, count), w, out, dst_offset in zip(block.fields, widths, outs, dst_offsets):
-            plane = out[:k * w].view(dt)
-            np.copyto(plane.reshape(k, count) if count > 1 else plane, blocks[field])
+            np.copyto(out[:k * w].view(dt).reshape(k, count), planes[field].reshape(k, count))
             write_at(dst, out[:k * w], dst_offset + start * w)
 
 
 def tensor_layout(type_name: str, shape: tuple[int, ...]) -> dict:
     """A tensor's entry in the archive metadata's `tensors`: ggml type, shape, and for a
-    quantized type its planes in block-struct order."""
+    quantized type its planes in block-struct order and, where its rows are interleaved
+    (quant.interleaves), `interleaved_rows`."""
     layout: dict = {"type": type_name, "shape": list(shape)}
     if type_name in BLOCK_TYPES:
         layout["planes"] = [f for f, _, _ in BLOCK_TYPES[type_name].fields]
+        if interleaves(type_name, shape):
+            layout["interleaved_rows"] = INTERLEAVED_ROWS
     return layout
+
+
+def plane_keys(name: str, layout: dict) -> list[str]:
+    """The archive entries of tensor `name` of `layout` (tensor_layout): itself, or its planes."""
+    if "planes" not in layout:
+        return [name]
+    return [plane_key(name, p, "interleaved_rows" in layout) for p in layout["planes"]]

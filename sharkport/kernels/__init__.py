@@ -3,14 +3,14 @@ products of decode and prefill, and their attention.
 
 `matvec.c` computes x [M, K] @ w[N, K].T reading w as stored: Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K
 and Q6_K planes or float16 (Q8_0, Q4 and Q5_0 matrices of a row count that is a multiple of 8
-through a copy with their rows interleaved eight at a time, which the module makes once as it
-loads: layout.interleave_rows); also q, k, v of one x in one dispatch (`matvec_qkv`), SwiGLU's
-silu(x gate^T) * (x up^T) (`swiglu`), each product optionally of x RMS-normalized first (`norm`)
-or, for one matrix, plus a residual (`residual`); decode attention over the paged cache with
-rotary and the new position's cache write (`decode_attention`), prefill's causal attention of
-the prompt to its own K and V (`prefill_attention`), and a llama decode layer in one dispatch
-(`layer_block`) or two (`attention_block`, `ffn_block`), whose workgroups share out each phase's
-work and wait for each other inside the dispatch.
+with their rows interleaved eight at a time, as archives hold them: quant.interleave_planes);
+also q, k, v of one x in one dispatch (`matvec_qkv`), SwiGLU's silu(x gate^T) * (x up^T)
+(`swiglu`), each product optionally of x RMS-normalized first (`norm`) or, for one matrix, plus
+a residual (`residual`); decode attention over the paged cache with rotary and the new
+position's cache write (`decode_attention`), prefill's causal attention of the prompt to its own
+K and V (`prefill_attention`), and a llama decode layer in one dispatch (`layer_block`) or two
+(`attention_block`, `ffn_block`), whose workgroups share out each phase's work and wait for each
+other inside the dispatch.
 
 With quantized weights it multiplies 8-bit integers, as llama.cpp does on CPUs: x is quantized
 per block of 32 values as gguf's Q8_0 quantizer does, or for the K-quants per 256 values as
@@ -38,13 +38,13 @@ from .build import (AVX512_FEATURES, CFLAGS, ISA_ENV, ISA_FLAGS, PRODUCTS, PRODU
                     referenced_by)
 from .layout import (BLOCK_CHUNK_ROWS, BLOCK_KINDS, INTERLEAVED, MAX_GD, MAX_K, MAX_NORMED, MAX_ROWS, MAX_STRIDE,
                      PLANES, PREFILL_MAX_D, PREFILL_MAX_GD, SIZES, STORED, X_PER_256, block_counters, cpus,
-                     deinterleave_rows, interleave_rows, kv_heads_per_workgroup, quantized_x, workgroups)
+                     kv_heads_per_workgroup, quantized_x, workgroups)
 
 __all__ = ["AVX512_FEATURES", "BLOCK_CHUNK_ROWS", "BLOCK_KINDS", "CFLAGS", "INTERLEAVED", "ISA_ENV", "ISA_FLAGS",
            "MAX_GD", "MAX_K", "MAX_NORMED", "MAX_ROWS", "MAX_STRIDE", "PLANES", "PREFILL_MAX_D", "PREFILL_MAX_GD",
            "PRODUCTS", "PRODUCTS_ENV", "SIZES", "SOURCE", "STORED", "X_PER_256", "attention_block", "available",
            "block_counters", "cache_dir", "cflags", "compile_flags_for", "cpus", "decode_attention", "decode_indices",
-           "decode_rows", "deinterleave_rows", "ffn_block", "interleave_rows", "isa", "kernel_type",
+           "decode_rows", "ffn_block", "isa", "kernel_type",
            "kv_heads_per_workgroup", "layer_block", "matvec", "matvec_qkv", "object_name", "object_path",
            "objects_named_by", "prefill_attention", "products", "quantized_x", "referenced_by", "swiglu", "workgroups"]
 
@@ -105,16 +105,22 @@ def _product(form: str, x, weights, norm=None, residual=None):
 
 def _kernel_planes(weights):
     """(the kernel type, each weight's planes in PLANES order) of weights one kernel multiplies
-    by, or None where their types differ or have no kernel: interleaved (INTERLEAVED) where every
-    matrix's row count is a multiple of 8."""
+    by, or None where their types differ or have no kernel: with rows interleaved (INTERLEAVED)
+    where every matrix's row count is a multiple of 8, as an archive holds them (planes held
+    otherwise are permuted in the program, a copy IREE makes as the module loads)."""
+    from ..archive.tensors import QuantizedTensor
+    from ..quant import interleaves
+
     kinds = {kernel_type(w) for w in weights}
     if len(kinds) != 1 or None in kinds:
         return None
     kind = kinds.pop()
-    planes = [[w] if kind == "F16" else [w.planes[n] for n in PLANES[kind]] for w in weights]  # per weight
-    if kind in INTERLEAVED and all(w.shape[0] % 8 == 0 for w in weights):
-        kind, planes = INTERLEAVED[kind], [interleave_rows(p) for p in planes]
-    return kind, planes
+    if kind == "F16":
+        return kind, [[w] for w in weights]
+    x8 = kind in INTERLEAVED and all(interleaves(w.type_name, w.shape) for w in weights)
+    held = [(w if w.interleaved else QuantizedTensor.held(w.type_name, w.shape, w.planes)) if x8 else w.row_order()
+            for w in weights]
+    return INTERLEAVED[kind] if x8 else kind, [[w.planes[n] for n in PLANES[kind]] for w in held]
 
 
 def matvec(x, w, norm=None, residual=None):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 
+from ..quant import ROW_INTERLEAVED_TYPES
+
 MAX_ROWS = 8  # decode's rows: up to these, norms are one dispatch region and a layer one block kernel
 MAX_K = 32 * 512  # longest rows of w: a workgroup keeps x quantized (MAX_K bytes a row) on its stack
 # products that RMS-normalize x first (matvec.c's XN_FLOATS): each workgroup keeps x normalized on
@@ -26,13 +28,13 @@ PREFILL_MAX_D, PREFILL_MAX_GD = 256, 1024  # matvec.c's PA_MAX_D, PA_MAX_GD
 # outputs, 4096 for the 49152 of the output projection, 12 workgroups).
 ROW_QUANTUM, WORKGROUPS_PER_CPU, MAX_ROWS_PER_WORKGROUP = 32, 1, 4096
 # plane order of each kernel's arguments after x (sharkport.quant's plane names). Q8_0X8, Q4_0X8,
-# Q4_1X8 and Q5_0X8 are Q8_0, Q4_0, Q4_1 and Q5_0 with their rows interleaved eight at a time
-# (interleave_rows).
+# Q4_1X8 and Q5_0X8 are Q8_0, Q4_0, Q4_1 and Q5_0 with their rows interleaved eight at a time, as
+# matvec.c's q8_x8 and q4_x8 read them and archives hold them (sharkport.quant.interleave_planes).
 PLANES = {"Q8_0": ("qs", "d"), "Q4_0": ("qs", "d"), "Q4_1": ("qs", "d", "m"), "F16": ("w",),
           "Q5_0": ("qs", "d", "qh"), "Q4_K": ("qs", "d", "dmin", "scales"),
           "Q5_K": ("qs", "d", "dmin", "scales", "qh"), "Q6_K": ("ql", "d", "qh", "scales")}
 # a weight type -> its kernel's with interleaved rows
-INTERLEAVED = {"Q8_0": "Q8_0X8", "Q4_0": "Q4_0X8", "Q4_1": "Q4_1X8", "Q5_0": "Q5_0X8"}
+INTERLEAVED = {kind: f"{kind}X8" for kind in ROW_INTERLEAVED_TYPES}
 PLANES.update({x8: PLANES[kind] for kind, x8 in INTERLEAVED.items()})
 STORED = {x8: kind for kind, x8 in INTERLEAVED.items()}  # and back
 # kernel types matvec.c's block kernels (a whole decode layer in one dispatch) are built for
@@ -47,28 +49,6 @@ SIZES = {"Q8_0": ("mk", ("nk", 1), ("nk", 32), "mn"), "Q4_0": ("mk", ("nk", 2), 
          "Q5_K": ("mk", ("nk", 2), ("nk", 256), ("nk", 256), ("nk", 64, 3), ("nk", 8), "mn"),
          "Q6_K": ("mk", ("nk", 2), ("nk", 256), ("nk", 4), ("nk", 16), "mn")}
 SIZES.update({x8: SIZES[kind] for kind, x8 in INTERLEAVED.items()})
-
-
-def interleave_rows(planes):
-    """Q8_0, Q4 or Q5_0 planes (qs [N, B, 32 or 16], then d and m [N, B], Q5_0's qh [N, B, 4]; N a
-    multiple of 8) with their rows interleaved eight at a time, as matvec.c's q8_x8 and q4_x8 read
-    them: per group of eight rows and block b, 4 bytes of each row's block at a time (chunk j:
-    bytes 4j .. 4j + 3 of rows 0..7), then the eight rows' scales (offsets, fifth bits) of block b
-    together. The planes keep their shapes. Under tracing this is a transpose of a parameter, which
-    IREE hoists into the module's initializer: it runs once, as the module loads, into a copy that
-    decode's products read (one for all functions)."""
-    qs, *scales = planes
-    N, B, size = qs.shape
-    return [qs.reshape(N // 8, 8, B, size // 4, 4).permute(0, 2, 3, 1, 4).reshape(N, B, size),
-            *(p.reshape(N // 8, 8, B, -1).permute(0, 2, 1, 3).reshape(p.shape) for p in scales)]
-
-
-def deinterleave_rows(planes):
-    """The inverse of interleave_rows."""
-    qs, *scales = planes
-    N, B, size = qs.shape
-    return [qs.reshape(N // 8, B, size // 4, 8, 4).permute(0, 3, 1, 2, 4).reshape(N, B, size),
-            *(p.reshape(N // 8, B, 8, -1).permute(0, 2, 1, 3).reshape(p.shape) for p in scales)]
 
 
 # weight types whose products take x quantized per 256 values (llama.cpp's Q8_K), not per 32 (Q8_0)

@@ -12,7 +12,7 @@ from iree.turbine.runtime.op_reg import CustomOp, KernelBuilder, KernelSelection
 from ..archive.tensors import QuantizedTensor
 from ..mlir_ops import call_mlir_function
 from . import mlir
-from .layout import PLANES, STORED, deinterleave_rows, quantized_x
+from .layout import PLANES, STORED, quantized_x
 from .shapes import (FORMS, PREFILL_ROWS, AttentionShape, BlockShape, Form, PrefillShape, product_c_name,
                      product_stem)
 
@@ -28,9 +28,8 @@ def _dequantized(kind: str, planes, k: int) -> torch.Tensor:
     """The matrix of `planes` (PLANES[kind] order; interleaved rows put back) as float32 [N, k]."""
     if kind == "F16":
         return planes[0].to(torch.float32)
-    if kind in STORED:
-        kind, planes = STORED[kind], deinterleave_rows(planes)
-    return QuantizedTensor(kind, (planes[0].shape[0], k), dict(zip(PLANES[kind], planes))).dequant().to(torch.float32)
+    w = QuantizedTensor(STORED.get(kind, kind), (planes[0].shape[0], k), dict(zip(PLANES[kind], planes)), kind in STORED)
+    return w.dequant().to(torch.float32)
 
 
 def _eager(kind: str, form: Form, x: torch.Tensor, *args) -> torch.Tensor:

@@ -51,7 +51,7 @@ def silu_gate(x: torch.Tensor, gate: Callable[[torch.Tensor], torch.Tensor],
 
 def expert(w: Weight, index: int) -> Weight:
     """Slice `index` of a stacked expert weight [X, out, in] (plain or quantized) → [out, in]."""
-    if isinstance(w, QuantizedTensor):
+    if isinstance(w, QuantizedTensor):  # stacked experts are never interleaved (quant.interleaves)
         return QuantizedTensor(w.type_name, tuple(w.shape[1:]), {k: p[index] for k, p in w.planes.items()})
     return w[index]
 

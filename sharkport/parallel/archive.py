@@ -24,6 +24,7 @@ from tqdm import tqdm
 from ..archive import ArchiveMetadata, Dataset, QuantizedTensor, Theta, Weight, entries_of
 from ..archive.irpa import ARCHIVE_VERSION, index_metadata, read_archive, write_archive
 from ..errors import SharkportError
+from ..formats.irpa import tensor_layout
 from ..formats.keys import LlamaHParams
 from ..quant import PLAIN_TYPES
 from .sharding import check_shardable, rule, shard_name, split_weight
@@ -197,6 +198,6 @@ def _root_field(dataset: Dataset, size: int, root: Path) -> dict[str, Any]:
 
 def _layout(w: Weight) -> dict[str, Any]:
     """A piece's entry in its rank file's `tensors` metadata (as read_archive expects)."""
-    if isinstance(w, QuantizedTensor):
-        return {"type": w.type_name, "shape": list(w.shape), "planes": list(w.planes)}
+    if isinstance(w, QuantizedTensor):  # its rows interleaved as entries_of writes them
+        return tensor_layout(w.type_name, w.shape)
     return {"type": _PLAIN_TYPE_OF[str(w.dtype).removeprefix("torch.")], "shape": list(w.shape)}

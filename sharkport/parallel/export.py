@@ -16,6 +16,7 @@ from iree.turbine import aot
 from iree.turbine.aot import DeviceAffinity, DeviceTensorTrait, ExternalTensorTrait
 
 from ..archive import QuantizedTensor
+from ..quant import plane_key
 from ..export.abi import DECODE_ARGS, PREFILL_ARGS, ExportConfig, ServiceConfig, dynamic_shapes, example_args
 from ..export.exporter import PARAMETER_SCOPE, service_config, trace_programs
 from ..models import ModelConfig
@@ -30,8 +31,10 @@ def externalize_ranks(sharded: ShardedDataset) -> None:
     `save_sharded`), since a tensor carries one name and one device."""
     for r, theta in enumerate(sharded.ranks):
         for name, w in theta.items():
-            for suffix, t in (w.planes.items() if isinstance(w, QuantizedTensor) else [("", w)]):
-                ExternalTensorTrait(PARAMETER_SCOPE, shard_name(name, r) + (f":{suffix}" if suffix else "")).set(t)
+            keyed = ([(plane_key(shard_name(name, r), p, w.interleaved), t) for p, t in w.planes.items()]
+                     if isinstance(w, QuantizedTensor) else [(shard_name(name, r), w)])
+            for key, t in keyed:
+                ExternalTensorTrait(PARAMETER_SCOPE, key).set(t)
                 DeviceTensorTrait(r).set(t)
 
 

@@ -93,6 +93,7 @@ def split_weight(name: str, w: Weight, how: str, n: int) -> list[Weight | None]:
 def _narrow(w: Weight, dim: int, lo: int, hi: int, name: str = "") -> Weight:
     if not isinstance(w, QuantizedTensor):
         return w.narrow(dim, lo, hi - lo)
+    w = w.row_order()
     shape = list(w.shape)
     shape[dim] = hi - lo
     if dim == 0:  # whole rows: every plane's dim 0 is the row

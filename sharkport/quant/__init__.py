@@ -6,6 +6,10 @@ struct, in struct order: for Q4_1 (`{f16 d; f16 m; u8 qs[16]}` per 32 values) th
 those planes (numpy, at import); `dequant` turns planes back into float32 values (torch, so it
 runs eagerly and inside the traced program alike; see dequant.py). This module needs no torch,
 so tools that only inspect files start quickly.
+
+Matrices of the types in ROW_INTERLEAVED_TYPES whose row count is a multiple of 8 are held with
+their rows interleaved eight at a time (`interleave_planes`), as the CPU kernels read them: the
+archive stores them so, and a module maps them as stored rather than copying them as it loads.
 """
 
 from __future__ import annotations
@@ -104,6 +108,42 @@ BLOCK_TYPES: dict[str, BlockType] = {
 }
 
 SUPPORTED_TYPES = tuple(PLAIN_TYPES) + tuple(BLOCK_TYPES)
+
+ROW_INTERLEAVED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0")
+INTERLEAVED_ROWS = 8
+
+
+def interleaves(type_name: str, shape) -> bool:
+    """Whether a tensor of `type_name` and `shape` is held with its rows interleaved: a matrix of
+    a type in ROW_INTERLEAVED_TYPES whose row count is a multiple of INTERLEAVED_ROWS."""
+    return type_name in ROW_INTERLEAVED_TYPES and len(shape) == 2 and shape[0] % INTERLEAVED_ROWS == 0
+
+
+def plane_key(name: str, plane: str, interleaved: bool = False) -> str:
+    """The archive entry of plane `plane` of tensor `name`: `name:plane`, or `name:plane:x8` with
+    its rows interleaved (so that a module made for one layout cannot load the other's bytes)."""
+    return f"{name}:{plane}:x{INTERLEAVED_ROWS}" if interleaved else f"{name}:{plane}"
+
+
+def interleave_planes(planes: dict, inverse: bool = False) -> dict:
+    """The planes of a matrix [N, K] (N a multiple of 8; numpy arrays or torch tensors) with its
+    rows interleaved eight at a time, or with `inverse` put back. Per group of eight rows and
+    block b: `qs` holds 4 bytes of each row's block at a time (chunk j: bytes 4j .. 4j + 3 of rows
+    0..7), the other planes (scales, offsets, fifth bits) the eight rows' values of block b side
+    by side. Every plane keeps its shape."""
+    out = {}
+    for name, p in planes.items():
+        n, b = p.shape[0], p.shape[1]
+        if name == "qs":
+            size = p.shape[2]
+            grouped = (n // 8, b, size // 4, 8, 4) if inverse else (n // 8, 8, b, size // 4, 4)
+            order = (0, 3, 1, 2, 4) if inverse else (0, 2, 3, 1, 4)
+        else:
+            grouped = (n // 8, b, 8, -1) if inverse else (n // 8, 8, b, -1)
+            order = (0, 2, 1, 3)
+        g = p.reshape(grouped)
+        out[name] = (g.permute(*order) if hasattr(g, "permute") else g.transpose(order)).reshape(p.shape)
+    return out
 
 
 def check_supported(type_name: str, where: str) -> None:
