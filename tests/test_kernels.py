@@ -177,19 +177,20 @@ class _Products(torch.nn.Module):
 ROW_KINDS = ["Q5_0", "Q4_K", "Q5_K", "Q6_K"]
 
 
-@pytest.mark.parametrize("rows, n, k", [(1, 80, 512), (8, 83, 768),
+@pytest.mark.parametrize("rows, n, k", [(1, 80, 512), (8, 83, 768), (4, 88, 768),
                                         pytest.param(3, 72, 256, marks=pytest.mark.extended)])
 def test_row_kernels_equal_gguf_dequantization(rows, n, k, isa, two_cpus, tmp_path):
-    """Q5_0 and the K-quants on random blocks: one, two or three super-blocks a row, 1, 3 and 8 rows
-    of x (each row count a loop of its own). The K-quants are read a row at a time, Q5_0 too where
-    its rows are not a multiple of 8 (83), else interleaved eight at a time (80, 72)."""
+    """Q5_0 and the K-quants on random blocks: one, two or three super-blocks a row, 1, 3, 4 and 8
+    rows of x (each row count a loop of its own). Q5_0 and Q4_K are read interleaved eight rows at
+    a time where their rows are a multiple of 8 (80, 88, 72), else a row at a time (83), as Q5_K
+    and Q6_K always are."""
     rng = np.random.default_rng(rows)
     raws = [_random_blocks(kind, n, k, rng) for kind in ROW_KINDS]
     weights = [weight_from_raw(kind, (n, k), raw) for kind, raw in zip(ROW_KINDS, raws)]
     x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
     got = _compile_and_run(_Products(weights), x, tmp_path=tmp_path,
-                           kernel=tuple(f"sharkport_matvec_{kind.lower()}" + ("x8" if kind == "Q5_0" and n % 8 == 0
-                                                                                else "") for kind in ROW_KINDS))
+                           kernel=tuple(f"sharkport_matvec_{kind.lower()}" + ("x8" if w.interleaved else "")
+                                        for kind, w in zip(ROW_KINDS, weights)))
     for kind, raw, part in zip(ROW_KINDS, raws, np.split(got, len(ROW_KINDS), axis=1)):
         want = _x_seen(kind, x.numpy()).astype(np.float64) @ _dense(kind, raw).T
         np.testing.assert_allclose(part, want, rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=kind)
@@ -383,7 +384,7 @@ class _NormedProducts(torch.nn.Module):
 def test_prefill_products_normalize_x_of_any_row_count(two_cpus, tmp_path):
     """Prefill's RMSNorms inside its products too: x of a dynamic row count normalized a row at a
     time as it is quantized (float16 weights: the rows multiplied at a time), run at 21 rows (two
-    chunks of eight and five left) and at 3, Q8_0 (interleaved), Q4_K and F16 weights; as
+    chunks of eight and five left) and at 3, Q8_0 and Q4_K (interleaved) and F16 weights; as
     transformers' LlamaRMSNorm, then quantized as the kernels quantize x."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -395,7 +396,7 @@ def test_prefill_products_normalize_x_of_any_row_count(two_cpus, tmp_path):
                for kind, raw in zip(kinds, raws)]
     g = torch.from_numpy(rng.uniform(0.5, 1.5, k).astype(np.float32))
     run_main = _compiled(_NormedProducts(weights, g, eps), torch.zeros(21, k), tmp_path=tmp_path,
-                         kernel=("sharkport_matvec_norm_q8_0x8", "sharkport_matvec_norm_q4_k",
+                         kernel=("sharkport_matvec_norm_q8_0x8", "sharkport_matvec_norm_q4_kx8",
                                  "sharkport_matvec_norm_f16"),
                          dynamic_shapes={"x": {0: torch.export.Dim("rows")}})
     reference = LlamaRMSNorm(k, eps=eps)
@@ -430,8 +431,9 @@ class _Forms(torch.nn.Module):
                                   for k in ROW_KINDS])  # the forms are shared code; each type's loop is tested above
 def test_row_kernels_normalize_x_fuse_and_add_the_residual(kind, two_cpus, tmp_path):
     """The fused forms over Q5_0 and K-quant weights: q, k, v of x normalized as transformers'
-    LlamaRMSNorm does (80, 48 and 24 rows; Q5_0 interleaved), SwiGLU's gate and up of it (83 rows;
-    a row at a time), and x times 256 rows plus a residual, on random blocks of 512 values a row."""
+    LlamaRMSNorm does (80, 48 and 24 rows; Q5_0 and Q4_K interleaved), SwiGLU's gate and up of it
+    (83 rows; a row at a time), and x times 256 rows plus a residual, on random blocks of 512
+    values a row."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     rng = np.random.default_rng(5)
@@ -442,7 +444,7 @@ def test_row_kernels_normalize_x_fuse_and_add_the_residual(kind, two_cpus, tmp_p
     g = torch.from_numpy(rng.uniform(0.5, 1.5, k).astype(np.float32))
     x = torch.from_numpy(rng.standard_normal((3, k)).astype(np.float32) * 3)
     r = torch.from_numpy(rng.standard_normal((3, sizes[-1])).astype(np.float32))
-    x8 = "x8" if kind == "Q5_0" else ""  # Q5_0 matrices of whole groups of eight rows are interleaved
+    x8 = "x8" if kind in kernels.INTERLEAVED else ""  # matrices of whole groups of eight rows are interleaved
     got = _compile_and_run(_Forms(weights, g, eps), x, r, tmp_path=tmp_path,
                            kernel=(f"sharkport_matvec_qkv_norm_{kind.lower()}{x8}",
                                    f"sharkport_matvec_swiglu_norm_{kind.lower()}",
@@ -839,7 +841,7 @@ def test_norms_of_layers_of_mixed_types_go_inside_the_products(tmp_path):
     output, service = export_model(Dataset.load(irpa), config, exact_cache(config.block_seq_stride))
     save_export(output, service, tmp_path / "m.mlir", tmp_path / "m.json")
     text = (tmp_path / "m.mlir").read_text()
-    for name in ("matvec_norm_q4_k", "matvec_norm_q5_k", "matvec_norm_q8_0x8", "matvec_swiglu_norm_q4_k"):
+    for name in ("matvec_norm_q4_kx8", "matvec_norm_q5_k", "matvec_norm_q8_0x8", "matvec_swiglu_norm_q4_kx8"):
         assert re.search(rf"@sharkport_{name}\(", text), f"{name} is not called"
     assert "torch.aten.mean" not in text and "sharkport_rms_norm" not in text
 

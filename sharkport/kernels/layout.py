@@ -28,8 +28,9 @@ PREFILL_MAX_D, PREFILL_MAX_GD = 256, 1024  # matvec.c's PA_MAX_D, PA_MAX_GD
 # outputs, 4096 for the 49152 of the output projection, 12 workgroups).
 ROW_QUANTUM, WORKGROUPS_PER_CPU, MAX_ROWS_PER_WORKGROUP = 32, 1, 4096
 # plane order of each kernel's arguments after x (sharkport.quant's plane names). Q8_0X8, Q4_0X8,
-# Q4_1X8 and Q5_0X8 are Q8_0, Q4_0, Q4_1 and Q5_0 with their rows interleaved eight at a time, as
-# matvec.c's q8_x8 and q4_x8 read them and archives hold them (sharkport.quant.interleave_planes).
+# Q4_1X8, Q5_0X8 and Q4_KX8 are Q8_0, Q4_0, Q4_1, Q5_0 and Q4_K with their rows interleaved eight
+# at a time, as matvec.c's q8_x8, q4_x8 and q4k_x8 read them and archives hold them
+# (sharkport.quant.interleave_planes).
 PLANES = {"Q8_0": ("qs", "d"), "Q4_0": ("qs", "d"), "Q4_1": ("qs", "d", "m"), "F16": ("w",),
           "Q5_0": ("qs", "d", "qh"), "Q4_K": ("qs", "d", "dmin", "scales"),
           "Q5_K": ("qs", "d", "dmin", "scales", "qh"), "Q6_K": ("ql", "d", "qh", "scales")}
@@ -52,7 +53,7 @@ SIZES.update({x8: SIZES[kind] for kind, x8 in INTERLEAVED.items()})
 
 
 # weight types whose products take x quantized per 256 values (llama.cpp's Q8_K), not per 32 (Q8_0)
-X_PER_256 = ("Q4_K", "Q5_K", "Q6_K")
+X_PER_256 = ("Q4_K", "Q5_K", "Q6_K", "Q4_KX8")
 
 
 def quantized_x(x, kind: str = "Q8_0"):

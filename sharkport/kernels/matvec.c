@@ -256,7 +256,7 @@ INLINE size_t chunk_rows(size_t M, size_t m0, size_t K) {
 // and with rows interleaved eight at a time (q4_x8, q8_x8); F16, Q5_0, the K-quants and Q5_0
 // interleaved after these.
 enum { Q8_0, Q4_0, Q4_1, Q4_0X8, Q4_1X8, Q8_0X8 };
-enum { F16 = Q8_0X8 + 1, Q5_0, Q4_K, Q6_K, Q5_0X8, Q5_K };
+enum { F16 = Q8_0X8 + 1, Q5_0, Q4_K, Q6_K, Q5_0X8, Q5_K, Q4_KX8 };
 
 // For one row of w with block scales d (and offsets m, Q4_1): cs[i, b] = d[b] xd[i, b] for the
 // MC rows i of x, and in off[i] the offset term: sum over blocks of the block's offset (Q4_0:
@@ -994,7 +994,7 @@ NOINLINE void read_rows(int kind, const matrix *w, size_t n, size_t rows, size_t
   size_t B = K / 32, block = rows * (kind == F16 ? 64 : kind == Q8_0 || kind == Q8_0X8 ? 32 : 16);
   const uint8_t *qs = (const uint8_t *)w->qs + n * B * (block / rows);
   // of the K-quants, only the 4-bit values (their scales are per 256 values)
-  const int per_block = kind != F16 && kind != Q4_K && kind != Q5_K && kind != Q6_K;
+  const int per_block = kind != F16 && kind != Q4_K && kind != Q5_K && kind != Q6_K && kind != Q4_KX8;
   const uint8_t *d = per_block ? (const uint8_t *)(w->d + n * B) : 0;
   const uint8_t *m = per_block && w->m ? (const uint8_t *)(w->m + n * B) : 0;
   const int q4_x8 = kind == Q4_0X8 || kind == Q4_1X8 || kind == Q5_0X8;
@@ -1146,6 +1146,98 @@ INLINE void q6k_row(const workspace *ws, const uint8_t *ql, const uint16_t *d, c
   for (size_t i = 0; i < MC; ++i) out[i] = hsum(acc[i]);
 }
 
+// Q4_K with rows interleaved eight at a time (Q4_KX8): per group of eight rows and super-block,
+// qs is 32 chunks of 32 bytes (chunk j: bytes 4j .. 4j + 3 of the eight rows' 128, so chunks
+// 8c .. 8c + 7 hold sub-blocks 2c, low nibbles, and 2c + 1, high), the scales 3 chunks (bytes
+// 4t .. 4t + 3 of the rows' 12: lane r of chunk t is row r's word t of get_scale_min_k4), and d
+// and dmin the eight rows' values side by side. Each 32-byte load serves the eight rows, and a
+// sub-block's scale is a vector of the rows' scales: per sub-block and row of x, 8 `maddubs`
+// and adds in 16 bits (at most 8 * 2 * 15 * 127), then one `madd` by the scales into 32 bits;
+// the mins are x's sums of 16 times the rows' mins, a `madd` a sub-block.
+
+// The eight rows' 6-bit scales (sc) and mins (mn) of one super-block: word t of lane r of sc[t]
+// (mn[t]) holds row r's scales (mins) 4t .. 4t + 3, a byte each (ggml's get_scale_min_k4 on all
+// eight rows at once).
+INLINE void k4_scales_x8(const uint8_t *scales, __m256i sc[2], __m256i mn[2]) {
+  const __m256i low6 = _mm256_set1_epi8(0x3f), low4 = _mm256_set1_epi8(15), top2 = _mm256_set1_epi8(0x30);
+  __m256i u0 = load32(scales), u1 = load32(scales + 32), u2 = load32(scales + 64);
+  sc[0] = _mm256_and_si256(u0, low6);
+  mn[0] = _mm256_and_si256(u1, low6);
+  sc[1] = _mm256_or_si256(_mm256_and_si256(u2, low4), _mm256_and_si256(_mm256_srli_epi32(u0, 2), top2));
+  mn[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), low4),
+                          _mm256_and_si256(_mm256_srli_epi32(u1, 2), top2));
+}
+
+// Byte k of each 32-bit lane of v, in both of the lane's 16-bit halves.
+INLINE __m256i byte_in_halves(__m256i v, int k) {
+  const __m128i at = _mm_setr_epi8((char)k, -1, (char)k, -1, (char)(4 + k), -1, (char)(4 + k), -1, (char)(8 + k), -1,
+                                   (char)(8 + k), -1, (char)(12 + k), -1, (char)(12 + k), -1);
+  return _mm256_shuffle_epi8(v, _mm256_setr_m128i(at, at));
+}
+
+// Rows 0..7 of a Q4_KX8 group times MC rows of x (quantized per 256 values in ws): out[i][r].
+INLINE void q4k_x8(const workspace *ws, const uint8_t *qs, const uint16_t *d, const uint16_t *dmin,
+                   const uint8_t *scales, size_t MC, size_t K, float out[MAX_M][8]) {
+  size_t S = K / 256;
+  const __m256i low4 = _mm256_set1_epi8(15);
+  EIGHT(__m256, acc, _mm256_setzero_ps());
+  for (size_t s = 0; s < S; ++s, qs += 1024, scales += 96) {
+    __m256i sc[2], mn[2];
+    k4_scales_x8(scales, sc, mn);
+    EIGHT(__m256i, si, _mm256_setzero_si256());
+    for (size_t k = 0; k < 8; ++k) {  // sub-block k: low (k even) or high nibbles of chunks 8 (k / 2) ..
+      const uint8_t *chunk = qs + 256 * (k / 2);
+      if (!(k & 1))
+        for (size_t line = 0; line < 256; line += 64) PREFETCH_TWO_STEPS(chunk + line);
+      EIGHT(__m256i, s16, _mm256_setzero_si256());
+      for (size_t l = 0; l < 8; ++l) {
+        __m256i v = load32(chunk + 32 * l);
+        __m256i q = _mm256_and_si256(k & 1 ? _mm256_srli_epi16(v, 4) : v, low4);
+#define ROW(i)                                                                                 \
+  if (i < MC) {                                                                                \
+    const int8_t *xq = ws->q + i * K + 256 * s + 32 * k + 4 * l;                               \
+    s16##i = _mm256_add_epi16(s16##i, _mm256_maddubs_epi16(q, broadcast4(xq)));                \
+    __asm__("" : "+x"(s16##i)); /* as in q4_x8 */                                              \
+  }
+        ROWS_OF_X(ROW)
+#undef ROW
+      }
+      __m256i scale = byte_in_halves(sc[k / 4], (int)(k % 4));
+#define ROW(i) \
+  if (i < MC) si##i = _mm256_add_epi32(si##i, _mm256_madd_epi16(s16##i, scale));
+      ROWS_OF_X(ROW)
+#undef ROW
+    }
+    __m256 dv = halves8(d + 8 * s), mv = halves8(dmin + 8 * s);
+    __m256i mk[8];  // each sub-block's mins, for x's two sums of 16
+    for (size_t k = 0; k < 8; ++k) mk[k] = byte_in_halves(mn[k / 4], (int)(k % 4));
+#define ROW(i)                                                                                                   \
+  if (i < MC) {                                                                                                  \
+    const int16_t *bs = ws->bs + i * (K / 16) + 16 * s;                                                          \
+    __m256i mins = _mm256_setzero_si256();                                                                       \
+    for (size_t k = 0; k < 8; ++k) {                                                                             \
+      int32_t pair;                                                                                              \
+      __builtin_memcpy(&pair, bs + 2 * k, 4);                                                                    \
+      mins = _mm256_add_epi32(mins, _mm256_madd_epi16(mk[k], _mm256_set1_epi32(pair)));                          \
+    }                                                                                                            \
+    __m256 xd = _mm256_broadcast_ss(ws->xd + i * S + s);                                                         \
+    acc##i = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si##i), _mm256_mul_ps(dv, xd), acc##i);                          \
+    acc##i = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(mv, xd), acc##i);                          \
+  }
+    ROWS_OF_X(ROW)
+#undef ROW
+  }
+  SUMS_ARRAY(__m256, acc);
+  group_outputs(acc, MC, out);
+}
+
+#define Q4K_X8_AT(MC) /* as Q4_X8_AT */                                                                         \
+  NOINLINE void q4k_x8_##MC(const workspace *ws, const uint8_t *qs, const uint16_t *d, const uint16_t *dmin,  \
+                            const uint8_t *scales, size_t K, float out[MAX_M][8]) {                             \
+    q4k_x8(ws, qs, d, dmin, scales, MC, K, out);                                                                \
+  }
+FOR_EACH_ROW_COUNT(Q4K_X8_AT)
+
 // Row n of a K-quant w times MC rows of x into out.
 INLINE void k_row(int kind, const workspace *ws, const matrix *w, size_t n, size_t MC, size_t K, float *out) {
   size_t S = K / 256;
@@ -1174,7 +1266,8 @@ INLINE void some_rows(int kind, workspace *ws, const float *x, const matrix *w, 
   float column[MAX_M];  // one row of w's outputs
 #if SHARKPORT_PRODUCTS
 #if SHARKPORT_PRODUCTS == 1
-  read_rows(kind, w, n, kind == Q4_0X8 || kind == Q4_1X8 || kind == Q5_0X8 || kind == Q8_0X8 ? 8 : 1, mc, K);
+  read_rows(kind, w, n, kind == Q4_0X8 || kind == Q4_1X8 || kind == Q5_0X8 || kind == Q8_0X8 || kind == Q4_KX8 ? 8 : 1,
+            mc, K);
 #endif
   for (size_t i = 0; i < mc; ++i)
     for (size_t r = 0; r < 8; ++r) out[i][r] = 0.0f;
@@ -1182,6 +1275,14 @@ INLINE void some_rows(int kind, workspace *ws, const float *x, const matrix *w, 
 #endif
   if (kind == F16) {
     f16_rows(x, (const uint16_t *)w->qs + n * K, mc, K, out, 0);
+    return;
+  }
+  if (kind == Q4_KX8) {  // the group's planes start where row n's would
+    size_t S = K / 256;
+#define ROW(MC) AT_ROWS(q4k_x8, MC)(ws, (const uint8_t *)w->qs + n * (K / 2), w->d + n * S, w->m + n * S, \
+                                     w->s + n * S * 12, K, out)
+    FOR_CONSTANT_MC(mc, ROW)
+#undef ROW
     return;
   }
   if (kind == Q4_K || kind == Q5_K || kind == Q6_K) {
@@ -1247,7 +1348,7 @@ INLINE const float *prepare_x(int kind, const float *x, const float *g, float ep
     rms_norm_rows(x, g, eps, mc, K, ws->xn);
     return ws->xn;
   }
-  const int per_256 = kind == Q4_K || kind == Q5_K || kind == Q6_K;
+  const int per_256 = kind == Q4_K || kind == Q5_K || kind == Q6_K || kind == Q4_KX8;
   for (size_t i = 0, rows = g ? 1 : mc; i < mc; i += rows) {  // normalized: a row at a time
     const float *xi = x + i * K;
     if (g) rms_norm_rows(xi, g, eps, 1, K, ws->xn), xi = ws->xn;
@@ -1273,7 +1374,7 @@ INLINE void product_rows(int kind, int op, workspace *ws, const float *x, const 
                          const float *r, float *y, size_t M, size_t N, size_t K, size_t m0, size_t mc, size_t n0,
                          size_t n1) {
   // rows of w at a time
-  const size_t group = kind == Q4_0X8 || kind == Q4_1X8 || kind == Q5_0X8 || kind == Q8_0X8 ? 8 : 1;
+  const size_t group = kind == Q4_0X8 || kind == Q4_1X8 || kind == Q5_0X8 || kind == Q8_0X8 || kind == Q4_KX8 ? 8 : 1;
   const int pairs = kind == F16 && F16_PAIRS(mc);  // F16 rows of w two at a time (f16_pairs)
   size_t j = 0, first = 0;  // the matrix holding output n, its first output
   for (size_t n = n0, step; n < n1; n += step) {
@@ -1395,6 +1496,8 @@ INLINE void matvec(int kind, int op, const float *x, const float *g, float eps, 
   MEMREF(const uint8_t, p##qs), MEMREF(const uint16_t, p##d), MEMREF(const uint16_t, p##dmin), \
       MEMREF(const uint8_t, p##sc)
 #define MAT_Q4_K(p, rows) {BASE(p##qs), BASE(p##d), BASE(p##dmin), rows, 0, BASE(p##sc)}
+#define ARGS_Q4_KX8 ARGS_Q4_K
+#define MAT_Q4_KX8 MAT_Q4_K
 #define ARGS_Q5_K(p) ARGS_Q4_K(p), MEMREF(const uint8_t, p##qh)
 #define MAT_Q5_K(p, rows) {BASE(p##qs), BASE(p##d), BASE(p##dmin), rows, BASE(p##qh), BASE(p##sc)}
 #define ARGS_Q6_K(p)                                                                 \
@@ -1447,6 +1550,7 @@ DEFINE_KERNELS(F16, f16)
 DEFINE_KERNELS(Q5_0, q5_0)
 DEFINE_KERNELS(Q5_0X8, q5_0x8)
 DEFINE_KERNELS(Q4_K, q4_k)
+DEFINE_KERNELS(Q4_KX8, q4_kx8)
 DEFINE_KERNELS(Q5_K, q5_k)
 DEFINE_KERNELS(Q6_K, q6_k)
 #undef X_ARG

@@ -109,7 +109,7 @@ BLOCK_TYPES: dict[str, BlockType] = {
 
 SUPPORTED_TYPES = tuple(PLAIN_TYPES) + tuple(BLOCK_TYPES)
 
-ROW_INTERLEAVED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0")
+ROW_INTERLEAVED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K")
 INTERLEAVED_ROWS = 8
 
 
@@ -128,19 +128,19 @@ def plane_key(name: str, plane: str, interleaved: bool = False) -> str:
 def interleave_planes(planes: dict, inverse: bool = False) -> dict:
     """The planes of a matrix [N, K] (N a multiple of 8; numpy arrays or torch tensors) with its
     rows interleaved eight at a time, or with `inverse` put back. Per group of eight rows and
-    block b: `qs` holds 4 bytes of each row's block at a time (chunk j: bytes 4j .. 4j + 3 of rows
-    0..7), the other planes (scales, offsets, fifth bits) the eight rows' values of block b side
-    by side. Every plane keeps its shape."""
+    block b: a plane of bytes a block (`qs`, Q5_0's `qh`, the K-quants' `scales`) holds 4 of each
+    row's bytes at a time (chunk j: bytes 4j .. 4j + 3 of rows 0..7), a plane of a value a block
+    (`d`, `m`, `dmin`) the eight rows' values side by side. Every plane keeps its shape."""
     out = {}
     for name, p in planes.items():
         n, b = p.shape[0], p.shape[1]
-        if name == "qs":
+        if p.ndim == 3:
             size = p.shape[2]
             grouped = (n // 8, b, size // 4, 8, 4) if inverse else (n // 8, 8, b, size // 4, 4)
             order = (0, 3, 1, 2, 4) if inverse else (0, 2, 3, 1, 4)
         else:
-            grouped = (n // 8, b, 8, -1) if inverse else (n // 8, 8, b, -1)
-            order = (0, 2, 1, 3)
+            grouped = (n // 8, b, 8) if inverse else (n // 8, 8, b)
+            order = (0, 2, 1)
         g = p.reshape(grouped)
         out[name] = (g.permute(*order) if hasattr(g, "permute") else g.transpose(order)).reshape(p.shape)
     return out
