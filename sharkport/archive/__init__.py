@@ -157,8 +157,8 @@ def save_dataset(dataset: Dataset, irpa_path: str | os.PathLike, progress: bool 
 
 
 def entries_of(name: str, w: Weight) -> list[Entry]:
-    """The archive entries of one weight held in memory: itself, or its planes (`plane_keys`;
-    rows interleaved where tensor_layout says so)."""
+    """The archive entries of one weight held in memory: itself, or its planes (quant.plane_key),
+    rows interleaved where quant.interleaves says so."""
     import torch
 
     if isinstance(w, QuantizedTensor):

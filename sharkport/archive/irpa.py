@@ -2,7 +2,8 @@
 are laid out and written by `sharkport.formats.irpa` (no torch there; see its docstring).
 
 Layout (docs/archive.md): plain tensors under their GGUF name, quantized ones as planes
-`<name>:<plane>`, every entry carrying turbine's `PYTORCH:` tensor metadata (so
+`<name>:<plane>` (`<name>:<plane>:x8` with rows interleaved: quant.plane_key), every entry
+carrying turbine's `PYTORCH:` tensor metadata (so
 `iree.turbine.aot.ParameterArchive(...).items()[i][1].as_tensor()` works on it), then the JSON
 entry `METADATA_KEY` with the hyperparameters, tokenizer, rotary layout and tensor layouts, and
 sharktank's two dataset entries.

@@ -8,8 +8,9 @@ every entry through 32 KiB read/write pairs and then fsyncs the whole file, whic
 quantized blocks are split into planes a bounded chunk at a time, straight into their place.
 
 Entries (docs/archive.md): plain tensors under their GGUF name, quantized ones as planes
-`<name>:<plane>`, each carrying turbine's `PYTORCH:` tensor description, then the JSON entries
-of `metadata_blobs`: ours (`METADATA_KEY`) and sharktank's dataset properties and tensor table.
+`<name>:<plane>` (`<name>:<plane>:x8` with rows interleaved), each carrying turbine's `PYTORCH:`
+tensor description, then the JSON entries of `metadata_blobs`: ours (`METADATA_KEY`) and
+sharktank's dataset properties and tensor table.
 """
 
 from __future__ import annotations
