@@ -28,7 +28,8 @@ def _dequantized(kind: str, planes, k: int) -> torch.Tensor:
     """The matrix of `planes` (PLANES[kind] order; interleaved rows put back) as float32 [N, k]."""
     if kind == "F16":
         return planes[0].to(torch.float32)
-    w = QuantizedTensor(STORED.get(kind, kind), (planes[0].shape[0], k), dict(zip(PLANES[kind], planes)), kind in STORED)
+    w = QuantizedTensor(STORED.get(kind, kind), (planes[0].shape[0], k), dict(zip(PLANES[kind], planes)),
+                        interleaved=kind in STORED)
     return w.dequant().to(torch.float32)
 
 
