@@ -146,12 +146,12 @@ def linear_inputs_per_256(dataset) -> list[str] | None:
     quantized to 8 bits by every matrix of the archive (each has a quantized type a kernel reads);
     None where some matrix is not so multiplied, or a K-quant one has no transformers name."""
     from .formats.names import gguf_to_hf_name
-    from .kernels import X_PER_256, kernel_type
+    from .kernels import FLOAT_KINDS, X_PER_256, kernel_type
 
     tied = "output.weight" not in dataset.theta
     matrices = {name: w for name, w in dataset.theta.items() if len(w.shape) == 2
                 and not (name == "token_embd.weight" and not tied)}
-    if any(kernel_type(w) in (None, "F16") for w in matrices.values()):
+    if any(kernel_type(w) in (None, *FLOAT_KINDS) for w in matrices.values()):
         return None
     names = []
     for name, w in matrices.items():

@@ -38,19 +38,21 @@ KINDS = ["Q8_0", "Q4_0", "Q4_1", "F16"]
 
 class _Linear(torch.nn.Module):
     """x @ w.T through the export's kernel product (KernelLinear), with w's planes as module buffers (constants of the module,
-    which IREE packs into one buffer: the kernels must honour each plane's offset in it)."""
+    which IREE packs into one buffer: the kernels must honour each plane's offset in it). bfloat16 values are held as
+    their int16 bits (turbine makes no constant of a bfloat16 tensor; an exported model's are parameters)."""
 
     def __init__(self, w):
         super().__init__()
-        self.type_name, self.shape = (w.type_name, w.shape) if isinstance(w, QuantizedTensor) else ("F16", None)
+        self.type_name, self.shape = (w.type_name, w.shape) if isinstance(w, QuantizedTensor) else (w.dtype, None)
         self.interleaved = isinstance(w, QuantizedTensor) and w.interleaved
         self.names = list(w.planes) if isinstance(w, QuantizedTensor) else ["w"]
         for name in self.names:
-            self.register_buffer(name, w.planes[name] if isinstance(w, QuantizedTensor) else w)
+            plane = w.planes[name] if isinstance(w, QuantizedTensor) else w
+            self.register_buffer(name, plane.view(torch.int16) if plane.dtype == torch.bfloat16 else plane)
 
     def weight(self):
-        if self.type_name == "F16":
-            return self.w
+        if isinstance(self.type_name, torch.dtype):
+            return self.w.view(self.type_name)
         return QuantizedTensor(self.type_name, self.shape, {n: getattr(self, n) for n in self.names}, self.interleaved)
 
     def forward(self, x):
@@ -112,7 +114,7 @@ def _x_seen(kind: str, x: np.ndarray) -> np.ndarray:
     """x as the kernels multiply it by weights of `kind`: as is for float16; for the K-quants
     quantized as llama.cpp's Q8_K (kernels.quantized_x, which test_x_per_256_is_llama_cpps_q8_k
     holds to llama.cpp's own); else quantized to Q8_0 and dequantized by gguf.quants."""
-    if kind == "F16":
+    if kind in kernels.FLOAT_KINDS:
         return x
     if kind in kernels.X_PER_256:
         return kernels.quantized_x(torch.from_numpy(x), kind).numpy()
@@ -120,8 +122,10 @@ def _x_seen(kind: str, x: np.ndarray) -> np.ndarray:
 
 
 def _dense(kind: str, raw: np.ndarray) -> np.ndarray:
-    """The float64 matrix of raw `kind` data (float16 values, or blocks dequantized by gguf.quants)."""
-    return (raw if kind == "F16" else quants.dequantize(raw, GGMLQuantizationType[kind])).astype(np.float64)
+    """The float64 matrix of raw `kind` data (float16 values, bfloat16 bits, or blocks; dequantized
+    by gguf.quants)."""
+    rows = raw.reshape(raw.shape[0], -1).view(np.uint8)
+    return quants.dequantize(rows, GGMLQuantizationType[kind]).astype(np.float64)
 
 
 @pytest.mark.parametrize("rows, n, k", [(1, 80, 96), (3, 83, 96), (4, 88, 160),
@@ -136,7 +140,7 @@ def test_kernel_product_equals_gguf_dequantization(kind, rows, n, k, isa, two_cp
     not gguf's half away from zero, would move the product by whole weights."""
     rng = np.random.default_rng(rows)
     raw = quantize_array(rng.standard_normal((n, k)).astype(np.float32), kind)
-    w = torch.from_numpy(raw) if kind == "F16" else weight_from_raw(kind, (n, k), raw)
+    w = weight_from_raw(kind, (n, k), raw)
     dense = _dense(kind, raw)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     x[:, :32] = rng.integers(-127, 127, (rows, 32)) + 0.5
@@ -149,13 +153,13 @@ def test_kernel_product_equals_gguf_dequantization(kind, rows, n, k, isa, two_cp
 
 def _random_blocks(kind: str, n: int, k: int, rng) -> np.ndarray:
     """n rows of k values of `kind` as ggml stores them: random bytes (every bit pattern of a
-    block's values and scales is valid), with each block's float16 scales (d, and Q4_K's dmin)
+    block's values and scales is valid), with each block's float16 scales (d, and dmin or m)
     random in sign and spread over five decades, so that blocks of very different size meet in a
     row."""
     t = BLOCK_TYPES[kind]
     raw = rng.integers(0, 256, (n, k // t.block_size * t.type_size), dtype=np.uint8)
     blocks = raw.reshape(-1).view(t.struct)
-    for field in ("d", "dmin"):
+    for field in ("d", "dmin", "m"):
         if field in blocks.dtype.names:
             size = 10.0 ** rng.uniform(-5, 0, blocks.shape)
             blocks[field] = (size * rng.choice([-1, 1], blocks.shape)).astype(np.float16)
@@ -174,16 +178,16 @@ class _Products(torch.nn.Module):
         return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
-ROW_KINDS = ["Q5_0", "Q4_K", "Q5_K", "Q6_K"]
+ROW_KINDS = ["Q5_0", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "Q5_1"]
 
 
 @pytest.mark.parametrize("rows, n, k", [(1, 80, 512), (8, 83, 768), (4, 88, 768),
                                         pytest.param(3, 72, 256, marks=pytest.mark.extended)])
 def test_row_kernels_equal_gguf_dequantization(rows, n, k, isa, two_cpus, tmp_path):
-    """Q5_0 and the K-quants on random blocks: one, two or three super-blocks a row, 1, 3, 4 and 8
-    rows of x (each row count a loop of its own). Q5_0 and Q4_K are read interleaved eight rows at
-    a time where their rows are a multiple of 8 (80, 88, 72), else a row at a time (83), as Q5_K
-    and Q6_K always are."""
+    """Q5_0, Q5_1 and the K-quants on random blocks: one, two or three super-blocks a row, 1, 3, 4
+    and 8 rows of x (each row count a loop of its own). Q5_0, Q5_1 and Q4_K are read interleaved
+    eight rows at a time where their rows are a multiple of 8 (80, 88, 72), else a row at a time
+    (83), as Q5_K, Q6_K, Q3_K and Q2_K always are."""
     rng = np.random.default_rng(rows)
     raws = [_random_blocks(kind, n, k, rng) for kind in ROW_KINDS]
     weights = [weight_from_raw(kind, (n, k), raw) for kind, raw in zip(ROW_KINDS, raws)]
@@ -222,14 +226,15 @@ def test_x_per_256_is_llama_cpps_q8_k():
 
 def test_products_over_a_dynamic_row_count_equal_gguf_dequantization(isa, two_cpus, tmp_path):
     """Prefill's products: x of a dynamic row count, every kernel type in one module, run at 21
-    rows (two chunks of eight and five left) and at 3. Q8_0, Q4_1 and Q5_0 of 80 rows go
-    interleaved, the others a row at a time."""
+    rows (two chunks of eight and five left) and at 3. Q8_0, Q4_1, Q5_0 and Q4_K of 80 rows go
+    interleaved, the others a row at a time. BF16 shares F16's loops but for its conversion, so it
+    is tested here alone: at 3 rows its rows of w go two at a time, at 21 eight rows of x at a time."""
     rng = np.random.default_rng(0)
     n, k = 80, 512
-    kinds = KINDS + ROW_KINDS
-    raws = [quantize_array(rng.standard_normal((n, k)).astype(np.float32), kind) if kind in KINDS
-            else _random_blocks(kind, n, k, rng) for kind in kinds]
-    weights = [torch.from_numpy(raw) if kind == "F16" else weight_from_raw(kind, (n, k), raw)
+    kinds = KINDS + ["BF16"] + ROW_KINDS
+    raws = [_random_blocks(kind, n, k, rng) if kind in ROW_KINDS
+            else quantize_array(rng.standard_normal((n, k)).astype(np.float32), kind) for kind in kinds]
+    weights = [weight_from_raw(kind, (n, k), raw)
                for kind, raw in zip(kinds, raws)]
     names = tuple(f"sharkport_matvec_{kind.lower()}" + ("x8" if kind in kernels.INTERLEAVED else "") for kind in kinds)
     run_main = _compiled(_Products(weights), torch.zeros(21, k), tmp_path=tmp_path, kernel=names,
@@ -254,7 +259,7 @@ def test_measuring_aid_products_are_zeros(kind, n, mode, two_cpus, monkeypatch, 
     assert f"-DSHARKPORT_PRODUCTS={kernels.PRODUCTS[mode]}" in kernels.cflags()
     rng = np.random.default_rng(n)
     raw = quantize_array(rng.standard_normal((n, 96)).astype(np.float32), kind)
-    w = torch.from_numpy(raw) if kind == "F16" else weight_from_raw(kind, (n, 96), raw)
+    w = weight_from_raw(kind, (n, 96), raw)
     got = _compile_and_run(_Linear(w), torch.from_numpy(rng.standard_normal((2, 96)).astype(np.float32)),
                            tmp_path=tmp_path)
     assert got.shape == (2, n) and not got.any()
@@ -298,7 +303,7 @@ def test_fused_products_equal_gguf_dequantization(kind, form, sizes, isa, two_cp
     rng = np.random.default_rng(7)
     k = 96
     raws = [quantize_array(rng.standard_normal((n, k)).astype(np.float32), kind) for n in sizes]
-    weights = [torch.from_numpy(r) if kind == "F16" else weight_from_raw(kind, (n, k), r) for n, r in zip(sizes, raws)]
+    weights = [weight_from_raw(kind, (n, k), r) for n, r in zip(sizes, raws)]
     dense = [_dense(kind, r) for r in raws]
     x = torch.from_numpy(rng.standard_normal((2, k)).astype(np.float32))
     got = _compile_and_run(_Fused(form, weights), x, tmp_path=tmp_path)
@@ -346,7 +351,7 @@ def test_products_normalize_x_and_add_the_residual(kind, form, sizes, isa, two_c
     rng = np.random.default_rng(len(sizes))
     k, eps = 96, 1e-5
     raws = [quantize_array(rng.standard_normal((n, k)).astype(np.float32), kind) for n in sizes]
-    weights = [torch.from_numpy(r) if kind == "F16" else weight_from_raw(kind, (n, k), r) for n, r in zip(sizes, raws)]
+    weights = [weight_from_raw(kind, (n, k), r) for n, r in zip(sizes, raws)]
     dense = [_dense(kind, r) for r in raws]
     g = torch.from_numpy(rng.uniform(0.5, 1.5, k).astype(np.float32))
     x = rng.standard_normal((3, k)).astype(np.float32) * 3
@@ -355,7 +360,7 @@ def test_products_normalize_x_and_add_the_residual(kind, form, sizes, isa, two_c
     inputs = (x, torch.from_numpy(rng.standard_normal((3, sizes[0])).astype(np.float32))) if form == "matvec_add" else (x,)
     got = _compile_and_run(_NormResidual(form, weights, g, eps), *inputs, tmp_path=tmp_path,
                            kernel=f"sharkport_matvec_{form.removeprefix('matvec_')}_{kind.lower()}"
-                                  f"{'x8' if kind != 'F16' and all(n % 8 == 0 for n in sizes) else ''}")
+                                  f"{'x8' if kind not in kernels.FLOAT_KINDS and all(n % 8 == 0 for n in sizes) else ''}")
     if form == "matvec_add":
         x_normed = x.numpy()
     else:
@@ -392,7 +397,7 @@ def test_prefill_products_normalize_x_of_any_row_count(two_cpus, tmp_path):
     n, k, eps, kinds = 80, 512, 1e-5, ["Q8_0", "Q4_K", "F16"]
     raws = [_random_blocks(kind, n, k, rng) if kind == "Q4_K"
             else quantize_array(rng.standard_normal((n, k)).astype(np.float32), kind) for kind in kinds]
-    weights = [torch.from_numpy(raw) if kind == "F16" else weight_from_raw(kind, (n, k), raw)
+    weights = [weight_from_raw(kind, (n, k), raw)
                for kind, raw in zip(kinds, raws)]
     g = torch.from_numpy(rng.uniform(0.5, 1.5, k).astype(np.float32))
     run_main = _compiled(_NormedProducts(weights, g, eps), torch.zeros(21, k), tmp_path=tmp_path,
@@ -715,7 +720,7 @@ def kernel_module(quantized_tiny, tmp_path_factory):
 
 @pytest.mark.parametrize("type_name, cache_dtype", [("q8_0", torch.float32), ("q4_1", torch.float32),
                                                     pytest.param("f16", torch.float32, marks=pytest.mark.extended),
-                                                    ("f16", torch.float16)])
+                                                    ("f16", torch.float16), ("bf16", torch.float16)])
 def test_tiny_llama_decodes_through_the_kernels_as_transformers(kernel_module, type_name, cache_dtype):
     """Prefill 5 tokens, then teacher-forced decode at batch 4 (every row the same sequence, on
     its own pages; products (q, k, v in one dispatch, gate and up with SiLU in one), rotary, the
@@ -737,7 +742,7 @@ def test_tiny_llama_decodes_through_the_kernels_as_transformers(kernel_module, t
     hf = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     want = {}
     with torch.no_grad():
-        hooks = quantize_linear_inputs(hf) if type_name != "f16" else []
+        hooks = quantize_linear_inputs(hf) if type_name not in ("f16", "bf16") else []
         past = hf(torch.tensor([ids[:prompt]]), use_cache=True).cache
         for pos in range(prompt, len(ids)):
             out = hf(torch.tensor([[ids[pos]]]), cache=past, use_cache=True)
@@ -758,19 +763,28 @@ def test_tiny_llama_decodes_through_the_kernels_as_transformers(kernel_module, t
                                        err_msg=f"position {pos}, row {row}")
 
 
-def _k_quant_layer(tmp_path):
-    """(GGUF, archive) of a llama layer of llama.cpp's Q4_K_M kinds, random blocks: Q4_K q, k, output
-    projection, gate and up, a Q5_K v (a type apart from q and k, as the Q6_K attn_v of llama.cpp's
-    mixtures), a Q6_K down projection, and an untied Q8_0 output."""
+# a llama layer's matrices at llama.cpp's Q4_K_M kinds: Q4_K q, k, output projection, gate and
+# up, a Q5_K v (a type apart from q and k, as the Q6_K attn_v of llama.cpp's mixtures), a Q6_K
+# down projection, and an untied Q8_0 output
+Q4_K_M_LAYER = {"token_embd": "Q4_K", "output": "Q8_0", "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q5_K",
+                "attn_output": "Q4_K", "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"}
+# and at llama.cpp's Q2_K kinds (Q2_K, with Q3_K attn_v, attn_output and ffn_down, a Q6_K output)
+Q2_K_LAYER = {"token_embd": "Q2_K", "output": "Q6_K", "attn_q": "Q2_K", "attn_k": "Q2_K", "attn_v": "Q3_K",
+              "attn_output": "Q3_K", "ffn_gate": "Q2_K", "ffn_up": "Q2_K", "ffn_down": "Q3_K"}
+
+
+def _k_quant_layer(tmp_path, kinds: dict[str, str] = Q4_K_M_LAYER):
+    """(GGUF, archive) of a llama layer whose matrices are of `kinds` (by GGUF name without blk.0.
+    and .weight), random blocks."""
     from gguf_fixtures import random_tensor, write_gguf
     from sharkport.archive import import_gguf
 
     d, ff, heads, kv, hd, vocab = 256, 512, 4, 2, 64, 64
-    types = {"token_embd": ("Q4_K", (vocab, d)), "output": ("Q8_0", (vocab, d)),
-             "blk.0.attn_q": ("Q4_K", (heads * hd, d)), "blk.0.attn_k": ("Q4_K", (kv * hd, d)),
-             "blk.0.attn_v": ("Q5_K", (kv * hd, d)), "blk.0.attn_output": ("Q4_K", (d, heads * hd)),
-             "blk.0.ffn_gate": ("Q4_K", (ff, d)), "blk.0.ffn_up": ("Q4_K", (ff, d)),
-             "blk.0.ffn_down": ("Q6_K", (d, ff))}
+    shapes = {"token_embd": (vocab, d), "output": (vocab, d), "attn_q": (heads * hd, d), "attn_k": (kv * hd, d),
+              "attn_v": (kv * hd, d), "attn_output": (d, heads * hd), "ffn_gate": (ff, d), "ffn_up": (ff, d),
+              "ffn_down": (d, ff)}
+    types = {name if name in ("token_embd", "output") else f"blk.0.{name}": (kinds[name], shape)
+             for name, shape in shapes.items()}
     rng = np.random.default_rng(0)
     tensors = {f"{name}.weight": (kind, shape, random_tensor(kind, shape, rng, std=0.05))
                for name, (kind, shape) in types.items()}
@@ -844,6 +858,46 @@ def test_norms_of_layers_of_mixed_types_go_inside_the_products(tmp_path):
     for name in ("matvec_norm_q4_kx8", "matvec_norm_q5_k", "matvec_norm_q8_0x8", "matvec_swiglu_norm_q4_kx8"):
         assert re.search(rf"@sharkport_{name}\(", text), f"{name} is not called"
     assert "torch.aten.mean" not in text and "sharkport_rms_norm" not in text
+
+
+def test_q2_k_layer_through_the_compiled_kernels_computes_as_transformers(tmp_path):
+    """_k_quant_layer at llama.cpp's Q2_K kinds (Q2_K and Q3_K matrices, a Q6_K output), exported
+    with the kernels and compiled: prefill of 20 tokens over two pages, then 6 teacher-forced decode
+    steps. Each position's logits are transformers' over the same GGUF with each linear layer's
+    input quantized as the kernels quantize it (per 256 values), as in
+    test_transformers_quantizes_each_linear_input_as_the_kernels."""
+    from transformers import AutoModelForCausalLM
+
+    from sharkport.archive import Dataset
+    from sharkport.compile import compile_mlir
+    from sharkport.export import export_model, save_export
+    from sharkport.runtime.session import IreeSession
+
+    gguf_path, irpa = _k_quant_layer(tmp_path, Q2_K_LAYER)
+    dataset = Dataset.load(irpa)
+    config = dataclasses.replace(TINY_EXPORT, matvec_kernels=True)
+    output, service = export_model(dataset, config, exact_cache(config.block_seq_stride))
+    save_export(output, service, tmp_path / "m.mlir", tmp_path / "m.json")
+    text = (tmp_path / "m.mlir").read_text()
+    for name in ("matvec_swiglu_norm_q2_k", "matvec_add_q3_k", "matvec_norm_q6_k"):
+        assert re.search(rf"@sharkport_{name}\(", text), f"{name} is not called"
+    compile_mlir(tmp_path / "m.mlir", tmp_path / "m.vmfb")
+    session = IreeSession(tmp_path / "m.vmfb", irpa, tmp_path / "m.json", pages=TINY_EXPORT.device_block_count)
+
+    ids, prompt, stride = np.random.default_rng(2).integers(0, 64, 26).tolist(), 20, TINY_EXPORT.block_seq_stride
+    tokens = np.zeros((1, 2 * stride), np.int64)
+    tokens[0, :prompt] = ids[:prompt]
+    pages = np.array([[0, 1]], np.int64)
+    got = list(np.asarray(session.prefill(tokens, np.array([prompt]), pages))[0, :prompt])
+    for pos in range(prompt, len(ids)):
+        got.append(np.asarray(session.decode(np.array([[ids[pos]]]), np.array([pos + 1]), np.array([pos]),
+                                             pages))[0, 0])
+    hf = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    quantize_linear_inputs(hf, linear_inputs_per_256(dataset))
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].numpy()
+    diff = np.abs(np.array(got) - want).max(-1) / np.abs(want).max()  # by position
+    assert np.median(diff) <= 1e-5 and diff.max() <= 2e-2, diff
 
 
 def test_kernel_decode_writes_the_cache_in_place(kernel_module):

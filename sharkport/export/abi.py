@@ -28,8 +28,8 @@ class ExportConfig:
     block_seq_stride: int = 32
     device_block_count: int = 256
     max_seq_len: int = 2048
-    # decode's products with Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/Q5_K/Q6_K/F16 weights, and attention, through
-    # sharkport.kernels (x86-64 CPUs)
+    # the products (every quantized weight type, F16 and BF16) and attention through sharkport.kernels
+    # (x86-64 CPUs)
     matvec_kernels: bool = False
     # trace every layer's transformer block (the slow path, for comparison); by default a recipe's
     # blocks are traced once per function and called for every layer (export/blocks.py)

@@ -1,9 +1,10 @@
 """Hand-written CPU kernels linked into exported modules (IREE custom dispatches): the
 products of decode and prefill, and their attention.
 
-`matvec.c` computes x [M, K] @ w[N, K].T reading w as stored: Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K
-and Q6_K planes or float16 (Q8_0, Q4, Q5_0 and Q4_K matrices of a row count that is a multiple
-of 8 with their rows interleaved eight at a time, as archives hold them: quant.interleave_planes);
+`matvec.c` computes x [M, K] @ w[N, K].T reading w as stored: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+Q2_K, Q3_K, Q4_K, Q5_K and Q6_K planes, float16 or bfloat16 (Q8_0, Q4, Q5_0 and Q4_K matrices of a row
+count that is a multiple of 8 with their rows interleaved eight at a time, as archives hold them:
+quant.interleave_planes);
 also q, k, v of one x in one dispatch (`matvec_qkv`), SwiGLU's silu(x gate^T) * (x up^T)
 (`swiglu`), each product optionally of x RMS-normalized first (`norm`) or, for one matrix, plus
 a residual (`residual`); decode attention over the paged cache with rotary and the new
@@ -36,11 +37,11 @@ from __future__ import annotations
 from .build import (AVX512_FEATURES, CFLAGS, ISA_ENV, ISA_FLAGS, PRODUCTS, PRODUCTS_ENV, SOURCE, available, cache_dir,
                     cflags, compile_flags_for, isa, object_name, object_path, objects_named_by, products,
                     referenced_by)
-from .layout import (BLOCK_CHUNK_ROWS, BLOCK_KINDS, INTERLEAVED, MAX_GD, MAX_K, MAX_NORMED, MAX_ROWS, MAX_STRIDE,
+from .layout import (BLOCK_CHUNK_ROWS, BLOCK_KINDS, FLOAT_KINDS, INTERLEAVED, MAX_GD, MAX_K, MAX_NORMED, MAX_ROWS, MAX_STRIDE,
                      PLANES, PREFILL_MAX_D, PREFILL_MAX_GD, SIZES, STORED, X_PER_256, block_counters, cpus,
                      kv_heads_per_workgroup, quantized_x, workgroups)
 
-__all__ = ["AVX512_FEATURES", "BLOCK_CHUNK_ROWS", "BLOCK_KINDS", "CFLAGS", "INTERLEAVED", "ISA_ENV", "ISA_FLAGS",
+__all__ = ["AVX512_FEATURES", "BLOCK_CHUNK_ROWS", "BLOCK_KINDS", "CFLAGS", "FLOAT_KINDS", "INTERLEAVED", "ISA_ENV", "ISA_FLAGS",
            "MAX_GD", "MAX_K", "MAX_NORMED", "MAX_ROWS", "MAX_STRIDE", "PLANES", "PREFILL_MAX_D", "PREFILL_MAX_GD",
            "PRODUCTS", "PRODUCTS_ENV", "SIZES", "SOURCE", "STORED", "X_PER_256", "attention_block", "available",
            "block_counters", "cache_dir", "cflags", "compile_flags_for", "cpus", "decode_attention", "decode_indices",
@@ -66,7 +67,8 @@ def kernel_type(w) -> str | None:
 
     if isinstance(w, QuantizedTensor):
         return w.type_name if w.type_name in PLANES and len(w.shape) == 2 else None
-    return "F16" if w.dtype == torch.float16 and w.dim() == 2 and w.shape[1] % 8 == 0 else None
+    floats = {torch.float16: "F16", torch.bfloat16: "BF16"}
+    return floats.get(w.dtype) if w.dim() == 2 and w.shape[1] % 8 == 0 else None
 
 
 def decode_rows(x) -> bool:
@@ -115,7 +117,7 @@ def _kernel_planes(weights):
     if len(kinds) != 1 or None in kinds:
         return None
     kind = kinds.pop()
-    if kind == "F16":
+    if kind in FLOAT_KINDS:
         return kind, [[w] for w in weights]
     x8 = kind in INTERLEAVED and all(interleaves(w.type_name, w.shape) for w in weights)
     held = [(w if w.interleaved else QuantizedTensor.held(w.type_name, w.shape, w.planes)) if x8 else w.row_order()

@@ -27,33 +27,39 @@ PREFILL_MAX_D, PREFILL_MAX_GD = 256, 1024  # matvec.c's PA_MAX_D, PA_MAX_GD
 # (and normalize) x fewer times, as each does all of it (SmolLM2 on 2 CPUs: 96 rows for 192
 # outputs, 4096 for the 49152 of the output projection, 12 workgroups).
 ROW_QUANTUM, WORKGROUPS_PER_CPU, MAX_ROWS_PER_WORKGROUP = 32, 1, 4096
-# plane order of each kernel's arguments after x (sharkport.quant's plane names). Q8_0X8, Q4_0X8,
-# Q4_1X8, Q5_0X8 and Q4_KX8 are Q8_0, Q4_0, Q4_1, Q5_0 and Q4_K with their rows interleaved eight
-# at a time, as matvec.c's q8_x8, q4_x8 and q4k_x8 read them and archives hold them
+# plane order of each kernel's arguments after x (sharkport.quant's plane names). The X8 kinds
+# (Q8_0X8, Q4_0X8, ...: INTERLEAVED) are those of ROW_INTERLEAVED_TYPES with their rows interleaved
+# eight at a time, as matvec.c's q8_x8, q4_x8 and q4k_x8 read them and archives hold them
 # (sharkport.quant.interleave_planes).
-PLANES = {"Q8_0": ("qs", "d"), "Q4_0": ("qs", "d"), "Q4_1": ("qs", "d", "m"), "F16": ("w",),
-          "Q5_0": ("qs", "d", "qh"), "Q4_K": ("qs", "d", "dmin", "scales"),
-          "Q5_K": ("qs", "d", "dmin", "scales", "qh"), "Q6_K": ("ql", "d", "qh", "scales")}
+PLANES = {"Q8_0": ("qs", "d"), "Q4_0": ("qs", "d"), "Q4_1": ("qs", "d", "m"), "F16": ("w",), "BF16": ("w",),
+          "Q5_0": ("qs", "d", "qh"), "Q5_1": ("qs", "d", "m", "qh"), "Q4_K": ("qs", "d", "dmin", "scales"),
+          "Q5_K": ("qs", "d", "dmin", "scales", "qh"), "Q6_K": ("ql", "d", "qh", "scales"),
+          "Q3_K": ("qs", "d", "hmask", "scales"), "Q2_K": ("qs", "d", "dmin", "scales")}
+FLOAT_KINDS = ("F16", "BF16")  # float weights: read as they are, x not quantized
 # a weight type -> its kernel's with interleaved rows
 INTERLEAVED = {kind: f"{kind}X8" for kind in ROW_INTERLEAVED_TYPES}
 PLANES.update({x8: PLANES[kind] for kind, x8 in INTERLEAVED.items()})
 STORED = {x8: kind for kind, x8 in INTERLEAVED.items()}  # and back
 # kernel types matvec.c's block kernels (a whole decode layer in one dispatch) are built for
-BLOCK_KINDS = ("Q8_0", "Q4_0", "Q4_1", "F16", "Q8_0X8", "Q4_0X8", "Q4_1X8")
+BLOCK_KINDS = ("Q8_0", "Q4_0", "Q4_1", "F16", "BF16", "Q8_0X8", "Q4_0X8", "Q4_1X8")
 # elements of each buffer the C function receives (x, the planes, y), as products of M, N and K
 # over a divisor (times a factor): x is M*K floats, Q8_0's qs N*K bytes, a block scale plane
 # N*K/32, Q4_K's scales 12 bytes per 256 values (N*K*3/64), ...
 SIZES = {"Q8_0": ("mk", ("nk", 1), ("nk", 32), "mn"), "Q4_0": ("mk", ("nk", 2), ("nk", 32), "mn"),
          "Q4_1": ("mk", ("nk", 2), ("nk", 32), ("nk", 32), "mn"), "F16": ("mk", ("nk", 1), "mn"),
          "Q5_0": ("mk", ("nk", 2), ("nk", 32), ("nk", 8), "mn"),
+         "Q5_1": ("mk", ("nk", 2), ("nk", 32), ("nk", 32), ("nk", 8), "mn"),
          "Q4_K": ("mk", ("nk", 2), ("nk", 256), ("nk", 256), ("nk", 64, 3), "mn"),
          "Q5_K": ("mk", ("nk", 2), ("nk", 256), ("nk", 256), ("nk", 64, 3), ("nk", 8), "mn"),
-         "Q6_K": ("mk", ("nk", 2), ("nk", 256), ("nk", 4), ("nk", 16), "mn")}
+         "Q6_K": ("mk", ("nk", 2), ("nk", 256), ("nk", 4), ("nk", 16), "mn"),
+         "Q3_K": ("mk", ("nk", 4), ("nk", 256), ("nk", 8), ("nk", 64, 3), "mn"),
+         "Q2_K": ("mk", ("nk", 4), ("nk", 256), ("nk", 256), ("nk", 16), "mn")}
+SIZES["BF16"] = SIZES["F16"]
 SIZES.update({x8: SIZES[kind] for kind, x8 in INTERLEAVED.items()})
 
 
 # weight types whose products take x quantized per 256 values (llama.cpp's Q8_K), not per 32 (Q8_0)
-X_PER_256 = ("Q4_K", "Q5_K", "Q6_K", "Q4_KX8")
+X_PER_256 = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_KX8")
 
 
 def quantized_x(x, kind: str = "Q8_0"):

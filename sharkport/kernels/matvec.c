@@ -1,9 +1,10 @@
 // Matrix-vector products that read weights as stored (sharkport.kernels): y[m, n] = sum_k
 // x[m, k] * w[n, k] for a few rows m of float32 activations, with w in ggml's Q8_0, Q4_0, Q4_1,
-// Q5_0, Q4_K, Q5_K or Q6_K planes (see sharkport.quant; Q8_0, Q4 and Q5_0 also with rows
-// interleaved eight at a time, see q4_x8 and q8_x8) or in float16. Compiled by the system C
-// compiler into an object that iree-compile links into the module (an IREE "custom dispatch"), so
-// it must stay freestanding: no libc, no globals, no thread-local state.
+// Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K planes (see sharkport.quant; Q8_0, Q4, Q5_0 and Q4_K
+// also with rows interleaved eight at a time, see q4_x8, q8_x8 and q4k_x8) or in float16 or
+// bfloat16. Compiled by the system C compiler into an object that iree-compile links into the
+// module (an IREE "custom dispatch"), so it must stay freestanding: no libc, no globals, no
+// thread-local state.
 //
 // Each workgroup computes `rows` outputs n (an argument: sharkport.kernels.ops aims at one
 // workgroup per CPU, kernels.workgroups) of every row m, reading each weight once for all rows of
@@ -95,6 +96,11 @@ INLINE float hsum(__m256 v) {
 INLINE float half(uint16_t h) { return _cvtsh_ss(h); }
 INLINE __m256 halves8(const uint16_t *p) {  // eight float16 values at p
   return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+// Eight float16 (bf16 0) or bfloat16 (bf16 1) weights at p: a bfloat16 is a float32's top half.
+INLINE __m256 weights8(const int bf16, const uint16_t *p) {
+  if (!bf16) return halves8(p);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 
 // ---- x quantized in blocks of 32 (gguf's Q8_0 reference: quantize_row_q8_0_ref) ----
@@ -252,15 +258,25 @@ INLINE size_t chunk_rows(size_t M, size_t m0, size_t K) {
   return mc < fit ? mc : fit;
 }
 
-// Weight types: as stored (a w of a row count not a multiple of 8 is multiplied a row at a time),
-// and with rows interleaved eight at a time (q4_x8, q8_x8); F16, Q5_0, the K-quants and Q5_0
-// interleaved after these.
+// Weight types: as stored (a w of a row count not a multiple of 8 is multiplied a row at a time;
+// the K-quants but Q4_K always are), and with rows interleaved eight at a time (the X8 types:
+// q4_x8, q8_x8, q4k_x8).
 enum { Q8_0, Q4_0, Q4_1, Q4_0X8, Q4_1X8, Q8_0X8 };
-enum { F16 = Q8_0X8 + 1, Q5_0, Q4_K, Q6_K, Q5_0X8, Q5_K, Q4_KX8 };
+enum { F16 = Q8_0X8 + 1, Q5_0, Q4_K, Q6_K, Q5_0X8, Q5_K, Q4_KX8, BF16, Q3_K, Q2_K, Q5_1, Q5_1X8 };
+// the types q4_x8 reads, and all the interleaved ones
+#define Q4_X8_KIND(kind) ((kind) == Q4_0X8 || (kind) == Q4_1X8 || (kind) == Q5_0X8 || (kind) == Q5_1X8)
+#define X8_KIND(kind) (Q4_X8_KIND(kind) || (kind) == Q8_0X8 || (kind) == Q4_KX8)
+// Float weights (read as they are, x not quantized), and the weight types whose x is quantized per
+// 256 values (quantize_x_k).
+#define FLOAT_WEIGHTS(kind) ((kind) == F16 || (kind) == BF16)
+#define OFFSETS(kind) ((kind) == Q4_1 || (kind) == Q5_1)     // value = d q + m (row at a time)
+#define FIFTH_BITS(kind) ((kind) == Q5_0 || (kind) == Q5_1)  // q of 5 bits, the fifth in qh (row at a time)
+#define X_PER_256(kind) \
+  ((kind) == Q4_K || (kind) == Q5_K || (kind) == Q6_K || (kind) == Q4_KX8 || (kind) == Q3_K || (kind) == Q2_K)
 
-// For one row of w with block scales d (and offsets m, Q4_1): cs[i, b] = d[b] xd[i, b] for the
-// MC rows i of x, and in off[i] the offset term: sum over blocks of the block's offset (Q4_0:
-// -8 d, Q5_0: -16 d, Q4_1: m; Q8_0 has none) times the sum of x's block.
+// For one row of w with block scales d (and offsets m, Q4_1 and Q5_1): cs[i, b] = d[b] xd[i, b] for
+// the MC rows i of x, and in off[i] the offset term: sum over blocks of the block's offset (Q4_0:
+// -8 d, Q5_0: -16 d, Q4_1 and Q5_1: m; Q8_0 has none) times the sum of x's block.
 // The offset of a Q4_0 or Q5_0 block (Q5_0X8, Q4_0X8 too) in units of its scale: values are stored
 // plus 8 (4 bits) or plus 16 (5 bits).
 INLINE float offset_scale(int kind) { return kind == Q5_0 || kind == Q5_0X8 ? -16.0f : -8.0f; }
@@ -272,7 +288,7 @@ INLINE void row_scales(workspace *ws, int kind, const uint16_t *d, const uint16_
   size_t b = 0;
   for (; b + 8 <= B; b += 8) {
     __m256 dv = halves8(d + b);
-    __m256 ov = kind == Q4_1 ? halves8(m + b) : _mm256_mul_ps(dv, _mm256_set1_ps(offset_scale(kind)));
+    __m256 ov = OFFSETS(kind) ? halves8(m + b) : _mm256_mul_ps(dv, _mm256_set1_ps(offset_scale(kind)));
     for (size_t i = 0; i < MC; ++i) {
       _mm256_storeu_ps(ws->cs + i * B + b, _mm256_mul_ps(dv, _mm256_loadu_ps(ws->xd + i * B + b)));
       if (kind != Q8_0) oacc[i] = _mm256_fmadd_ps(ov, _mm256_loadu_ps(ws->xs + i * B + b), oacc[i]);
@@ -280,7 +296,7 @@ INLINE void row_scales(workspace *ws, int kind, const uint16_t *d, const uint16_
   }
   for (size_t i = 0; i < MC; ++i) off[i] = kind == Q8_0 ? 0.0f : hsum(oacc[i]);
   for (; b < B; ++b) {
-    float dv = half(d[b]), ov = kind == Q4_1 ? half(m[b]) : offset_scale(kind) * dv;
+    float dv = half(d[b]), ov = OFFSETS(kind) ? half(m[b]) : offset_scale(kind) * dv;
     for (size_t i = 0; i < MC; ++i) {
       ws->cs[i * B + b] = dv * ws->xd[i * B + b];
       if (kind != Q8_0) off[i] += ov * ws->xs[i * B + b];
@@ -330,7 +346,7 @@ INLINE uint32_t load_bits(const uint8_t *p) {
       aw = _mm256_sign_epi8(w, w);                                                              \
     } else {                                                                                    \
       w = aw = nibbles((const uint8_t *)qn + 16 * (b));                                         \
-      if (kind == Q5_0) w = aw = _mm256_or_si256(w, fifth_bits(load_bits(qh + 4 * (b))));       \
+      if (FIFTH_BITS(kind)) w = aw = _mm256_or_si256(w, fifth_bits(load_bits(qh + 4 * (b))));  \
     }                                                                                           \
     for (size_t i = 0; i < MC; ++i) {                                                           \
       __m256i xb = load32(ws->q + i * K + 32 * (b));                                            \
@@ -342,13 +358,13 @@ INLINE uint32_t load_bits(const uint8_t *p) {
 
 // Blocks 2p and 2p + 1 of a Q4 w times those of every row of x (paired, see pair_blocks), scaled,
 // into partial sum u: the two blocks' values meet x's in two `maddubs`, whose sums (|.| <= 2 * 2
-// * 31 * 127) add in 16 bits; lanes 0..3 then hold block 2p's sum, 4..7 block 2p + 1's. Q5_0's
+// * 31 * 127) add in 16 bits; lanes 0..3 then hold block 2p's sum, 4..7 block 2p + 1's. Q5's
 // fifth bits join the nibbles: the low ones' are bits 0..15 of each block's, the high ones' 16..31.
 #define Q4_PAIR_STEP(pair, u)                                                                          \
   {                                                                                                    \
     __m256i v = load32((const uint8_t *)qn + 32 * (pair));                                             \
     __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);     \
-    if (kind == Q5_0) {                                                                                \
+    if (FIFTH_BITS(kind)) {                                                                            \
       uint32_t h0 = load_bits(qh + 8 * (pair)), h1 = load_bits(qh + 8 * (pair) + 4);                   \
       lo = _mm256_or_si256(lo, fifth_bits((h0 & 0xFFFF) | (h1 << 16)));                                \
       hi = _mm256_or_si256(hi, fifth_bits((h0 >> 16) | (h1 & 0xFFFF0000u)));                           \
@@ -362,7 +378,7 @@ INLINE uint32_t load_bits(const uint8_t *p) {
     }                                                                                                  \
   }
 
-// One row n of a quantized w (its blocks at qn, scales d, offsets m, Q5_0's fifth bits qh) times
+// One row n of a quantized w (its blocks at qn, scales d, offsets m, Q5's fifth bits qh) times
 // MC rows of x.
 INLINE void q_row(workspace *ws, int kind, const void *qn, const uint16_t *d, const uint16_t *m, const uint8_t *qh,
                   size_t MC, size_t K, float *out) {
@@ -475,13 +491,14 @@ INLINE void q4_x8(const workspace *ws, int kind, const uint8_t *qs, const uint16
     PREFETCH_TWO_STEPS(qs);
     PREFETCH_TWO_STEPS(qs + 64);
     PREFETCH_PLANES(d, m, b);  // m: null for Q4_0
-    if (kind == Q5_0X8 && !(b & 1)) PREFETCH_TWO_STEPS(qh + 32 * b);
-    __m256i h = kind == Q5_0X8 ? load32(qh + 32 * b) : _mm256_setzero_si256();
+    const int five = kind == Q5_0X8 || kind == Q5_1X8;
+    if (five && !(b & 1)) PREFETCH_TWO_STEPS(qh + 32 * b);
+    __m256i h = five ? load32(qh + 32 * b) : _mm256_setzero_si256();
     EIGHT(__m256i, s, _mm256_setzero_si256());
     for (size_t j = 0; j < 4; ++j) {
       __m256i v = load32(qs + 32 * j);
       __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-      if (kind == Q5_0X8) {  // values 4j .. 4j + 3: bits 4j ..; 16 + 4j ..: bits 16 + 4j ..
+      if (five) {  // values 4j .. 4j + 3: bits 4j ..; 16 + 4j ..: bits 16 + 4j ..
         lo = _mm256_or_si256(lo, fifth_bits_x8(h, (int)j >> 1, (int)j & 1));
         hi = _mm256_or_si256(hi, fifth_bits_x8(h, 2 + ((int)j >> 1), (int)j & 1));
       }
@@ -496,7 +513,8 @@ INLINE void q4_x8(const workspace *ws, int kind, const uint8_t *qs, const uint16
 #undef ROW
     }
     __m256 dv = halves8(d + 8 * b);
-    __m256 mv = kind == Q4_1X8 ? halves8(m + 8 * b) : _mm256_mul_ps(dv, _mm256_set1_ps(offset_scale(kind)));
+    __m256 mv = kind == Q4_1X8 || kind == Q5_1X8 ? halves8(m + 8 * b)
+                                                 : _mm256_mul_ps(dv, _mm256_set1_ps(offset_scale(kind)));
 #define ROW(i)                                                                                          \
   if (i < MC) {                                                                                         \
     __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(s##i, ones));                                    \
@@ -637,12 +655,14 @@ INLINE void q8_x8_zmm(const workspace *ws, const int8_t *qs, const uint16_t *d, 
 // q4_x8 for each row count MC of x in a function of its own, so that its loop's registers do not
 // compete with those of matvec's loop over the outputs (the same for the four-row loop this
 // replaced: SmolLM2 Q4_1 decode bs4 12.10 -> 11.48 ms).
-// Q5_0X8 takes the AVX2 loop in either object.
+// Q5_0X8 and Q5_1X8 take the AVX2 loop in either object.
 #define Q4_X8_AT(MC)                                                                                     \
   NOINLINE void q4_x8_##MC(const workspace *ws, int kind, const uint8_t *qs, const uint16_t *d,        \
                            const uint16_t *m, const uint8_t *qh, size_t K, float out[MAX_M][8]) {       \
     if (kind == Q5_0X8)                                                                                  \
       q4_x8(ws, Q5_0X8, qs, d, m, qh, MC, K, out);                                                       \
+    else if (kind == Q5_1X8)                                                                             \
+      q4_x8(ws, Q5_1X8, qs, d, m, qh, MC, K, out);                                                       \
     else                                                                                                 \
       Q4_X8_LOOP(ws, kind, qs, d, m, qh, MC, K, out);                                                      \
   }
@@ -751,13 +771,13 @@ _Static_assert(2 * 2 * F16_SPLIT(4) == 8 && 2 * 3 * F16_SPLIT(6) <= 8 && 2 * 4 *
     }                                                                                                  \
   } while (0)
 
-INLINE void f16_row(const float *x, const uint16_t *wn, size_t MC, size_t K, float *out) {
+INLINE void f16_row(const int bf16, const float *x, const uint16_t *wn, size_t MC, size_t K, float *out) {
   __m256 acc[MC][8];
   for (size_t i = 0; i < MC; ++i)
     for (size_t u = 0; u < F16_SPLIT(MC); ++u) acc[i][u] = _mm256_setzero_ps();
 #define F16_STEP(k, u)                                                                               \
   {                                                                                                  \
-    __m256 wk = halves8(wn + (k));                                                                   \
+    __m256 wk = weights8(bf16, wn + (k));                                                            \
     for (size_t i = 0; i < MC; ++i) acc[i][u] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(x + i * K + (k)), acc[i][u]); \
   }
   size_t k = 0;
@@ -775,6 +795,10 @@ INLINE void f16_row(const float *x, const uint16_t *wn, size_t MC, size_t K, flo
 #define LOAD_W16(p) _mm256_loadu_si256((const __m256i *)(p))
 #define LOAD_W8(p) _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(p)))
 #define LOAD_X8(p) _mm512_maskz_loadu_ps(0xFF, p)
+// 16 float16 (bf16 0) or bfloat16 weights in v, as float32
+INLINE __m512 weights16(const int bf16, __m256i v) {
+  return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)) : _mm512_cvtph_ps(v);
+}
 
 // f16_row in 16-lane vectors, for two or more rows of x where the object is built for AVX-512
 // (kernels.isa()): half the conversions and multiply-adds; a row's last 8 values, if K is not a
@@ -789,7 +813,7 @@ INLINE void f16_row(const float *x, const uint16_t *wn, size_t MC, size_t K, flo
 // two rows 33.6 / 34.0 -> 29.4 / 29.1; one thread in the caches, four rows 50.3 -> 46.5. SmolLM2
 // F16 decode bs4, 10 rounds side by side: 6.510 -> 6.096 ms (named sums alone 6.385), bs1 unchanged
 // (3.896 -> 3.894).
-INLINE void f16_row_zmm(const float *x, const uint16_t *wn, size_t MC, size_t K, float *out) {
+INLINE void f16_row_zmm(const int bf16, const float *x, const uint16_t *wn, size_t MC, size_t K, float *out) {
   const size_t S = F16_SPLIT(MC);  // chains a row of x: chain n is row n / S's, for vector n % S of a step
   __m512 ch0 = _mm512_setzero_ps(), ch1 = ch0, ch2 = ch0, ch3 = ch0, ch4 = ch0, ch5 = ch0, ch6 = ch0, ch7 = ch0, ch8 = ch0;
   _Static_assert(2 * F16_SPLIT(2) <= 9 && 3 * F16_SPLIT(3) <= 9 && 4 * F16_SPLIT(4) <= 9 && MAX_M <= 9,
@@ -798,7 +822,7 @@ INLINE void f16_row_zmm(const float *x, const uint16_t *wn, size_t MC, size_t K,
   if (n < MC * S && n % S == (u)) ch##n = _mm512_fmadd_ps(wv, LOAD_X(x + n / S * K + (k)), ch##n);
 #define STEP(k, u, LOAD_W, LOAD_X) /* the weights at k, vector u of a step, times each row of x */ \
   {                                                                                               \
-    __m512 wv = _mm512_cvtph_ps(LOAD_W(wn + (k)));                                                \
+    __m512 wv = weights16(bf16, LOAD_W(wn + (k)));                                                \
     CHAIN_STEP(0, k, u, LOAD_X) CHAIN_STEP(1, k, u, LOAD_X) CHAIN_STEP(2, k, u, LOAD_X)           \
     CHAIN_STEP(3, k, u, LOAD_X) CHAIN_STEP(4, k, u, LOAD_X) CHAIN_STEP(5, k, u, LOAD_X)           \
     CHAIN_STEP(6, k, u, LOAD_X) CHAIN_STEP(7, k, u, LOAD_X) CHAIN_STEP(8, k, u, LOAD_X)           \
@@ -848,8 +872,8 @@ INLINE __m256 sums8_zmm(__m512 c0, __m512 c1, __m512 c2, __m512 c3, __m512 c4, _
 // 8 rounds interleaved: gate/up (f16-swiglu 1536x576) in the caches 143.5 -> 115.5, from memory
 // 217.1 -> 174.1. SmolLM2 F16 decode bs4 side by side (tools/ab_decode.py): 0.885 of the time over
 // 3 loads (0.870 to 0.904), 0.910 over 4 (0.856 to 0.957); bs1 unchanged.
-INLINE void f16_pair(const float *x, const uint16_t *wa, const uint16_t *wb, size_t MC, size_t K, float *a,
-                     float *b) {
+INLINE void f16_pair(const int bf16, const float *x, const uint16_t *wa, const uint16_t *wb, size_t MC, size_t K,
+                     float *a, float *b) {
   const size_t S = F16_SPLIT(2 * MC);  // chains a (row of w, row of x): chain n is pair n / S's
   __m512 ch0 = _mm512_setzero_ps(), ch1 = ch0, ch2 = ch0, ch3 = ch0, ch4 = ch0, ch5 = ch0, ch6 = ch0, ch7 = ch0;
   // Each row of x's vector is loaded once for both rows of w, into a register: gcc otherwise folds
@@ -859,7 +883,7 @@ INLINE void f16_pair(const float *x, const uint16_t *wa, const uint16_t *wb, siz
   if ((i) < MC) __asm__("" : "+v"(x##i));
 #define STEP(k, u, LOAD_W, LOAD_X)                                                                        \
   {                                                                                                       \
-    __m512 va = _mm512_cvtph_ps(LOAD_W(wa + (k))), vb = _mm512_cvtph_ps(LOAD_W(wb + (k)));               \
+    __m512 va = weights16(bf16, LOAD_W(wa + (k))), vb = weights16(bf16, LOAD_W(wb + (k)));               \
     LOAD_X_ROW(0, k, LOAD_X) LOAD_X_ROW(1, k, LOAD_X) LOAD_X_ROW(2, k, LOAD_X) LOAD_X_ROW(3, k, LOAD_X) \
     F16_PAIR_CHAINS(_mm512_fmadd_ps, u)                                                                   \
   }
@@ -890,8 +914,8 @@ INLINE void f16_pair(const float *x, const uint16_t *wa, const uint16_t *wb, siz
 // the two rows of w and four of x, 14 of the 16 vector registers. SmolLM2 F16 decode with
 // SHARKPORT_KERNEL_ISA=avx2 (Zen 4), tools/ab_decode.py against f16_row for each row, 4 loads: bs4
 // 0.664 of the time (0.629 to 0.680; 16.2 -> 10.9 ms, so bs4/bs1 2.2x -> 3.3x), bs1 unchanged.
-INLINE void f16_pair(const float *x, const uint16_t *wa, const uint16_t *wb, size_t MC, size_t K, float *a,
-                     float *b) {
+INLINE void f16_pair(const int bf16, const float *x, const uint16_t *wa, const uint16_t *wb, size_t MC, size_t K,
+                     float *a, float *b) {
   const size_t S = F16_SPLIT(2 * MC);  // chains a (row of w, row of x): chain n is pair n / S's
   __m256 ch0 = _mm256_setzero_ps(), ch1 = ch0, ch2 = ch0, ch3 = ch0, ch4 = ch0, ch5 = ch0, ch6 = ch0, ch7 = ch0;
 #define LOAD_X_ROW(i, k)                                                 \
@@ -899,7 +923,7 @@ INLINE void f16_pair(const float *x, const uint16_t *wa, const uint16_t *wb, siz
   if ((i) < MC) __asm__("" : "+x"(x##i));
 #define STEP(k, u)                                                                             \
   {                                                                                            \
-    __m256 va = halves8(wa + (k)), vb = halves8(wb + (k));                                     \
+    __m256 va = weights8(bf16, wa + (k)), vb = weights8(bf16, wb + (k));                       \
     LOAD_X_ROW(0, k) LOAD_X_ROW(1, k) LOAD_X_ROW(2, k) LOAD_X_ROW(3, k)                        \
     F16_PAIR_CHAINS(_mm256_fmadd_ps, u)                                                        \
   }
@@ -927,12 +951,12 @@ INLINE void f16_pair(const float *x, const uint16_t *wa, const uint16_t *wb, siz
 // fetching as f16_pair would (F16_PAIR_ROWS).
 #define F16_PAIR_ROWS(mc) ((mc) >= 2 && (mc) <= 4)
 #define F16_PAIRS(mc) (!SHARKPORT_PRODUCTS && F16_PAIR_ROWS(mc))
-INLINE void f16_pairs(const float *x, const uint16_t *wa, const uint16_t *wb, size_t mc, size_t K, float *a,
-                      float *b) {  // f16_pair with its row count a constant
+INLINE void f16_pairs(const int bf16, const float *x, const uint16_t *wa, const uint16_t *wb, size_t mc, size_t K,
+                      float *a, float *b) {  // f16_pair with its row count a constant
   switch (mc) {
-    case 2: f16_pair(x, wa, wb, 2, K, a, b); break;
-    case 3: f16_pair(x, wa, wb, 3, K, a, b); break;
-    default: f16_pair(x, wa, wb, 4, K, a, b); break;
+    case 2: f16_pair(bf16, x, wa, wb, 2, K, a, b); break;
+    case 3: f16_pair(bf16, x, wa, wb, 3, K, a, b); break;
+    default: f16_pair(bf16, x, wa, wb, 4, K, a, b); break;
   }
 }
 
@@ -991,20 +1015,20 @@ INLINE __m256 swiglu8(__m256 g, __m256 u) {
 // the product for mc rows of x fetches them (PREFETCH bytes ahead, or in two steps), and a byte of
 // its scales (and offsets), fetched ahead as the Q4 x8 loops fetch them.
 NOINLINE void read_rows(int kind, const matrix *w, size_t n, size_t rows, size_t mc, size_t K) {
-  size_t B = K / 32, block = rows * (kind == F16 ? 64 : kind == Q8_0 || kind == Q8_0X8 ? 32 : 16);
+  size_t B = K / 32, block = rows * (FLOAT_WEIGHTS(kind) ? 64 : kind == Q8_0 || kind == Q8_0X8 ? 32 : 16);
   const uint8_t *qs = (const uint8_t *)w->qs + n * B * (block / rows);
   // of the K-quants, only the 4-bit values (their scales are per 256 values)
-  const int per_block = kind != F16 && kind != Q4_K && kind != Q5_K && kind != Q6_K && kind != Q4_KX8;
+  const int per_block = !FLOAT_WEIGHTS(kind) && !X_PER_256(kind);
   const uint8_t *d = per_block ? (const uint8_t *)(w->d + n * B) : 0;
   const uint8_t *m = per_block && w->m ? (const uint8_t *)(w->m + n * B) : 0;
-  const int q4_x8 = kind == Q4_0X8 || kind == Q4_1X8 || kind == Q5_0X8;
+  const int q4_x8 = Q4_X8_KIND(kind);
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-  const int ahead = kind == Q8_0X8 || kind == F16 ? mc > 1 : kind != Q4_0 && kind != Q4_1;  // see q8_x8_zmm
-  const int two_steps = q4_x8 || kind == Q8_0X8 || kind == F16;  // see FAR_AHEAD
+  const int ahead = kind == Q8_0X8 || FLOAT_WEIGHTS(kind) ? mc > 1 : kind != Q4_0 && kind != Q4_1;  // see q8_x8_zmm
+  const int two_steps = q4_x8 || kind == Q8_0X8 || FLOAT_WEIGHTS(kind);  // see FAR_AHEAD
 #else
   // F16: f16_pair fetches, f16_row (one row of x, or more than four) does not
-  const int ahead = kind == F16 ? F16_PAIR_ROWS(mc) : kind != Q4_0 && kind != Q4_1;
-  const int two_steps = q4_x8 || kind == F16;
+  const int ahead = FLOAT_WEIGHTS(kind) ? F16_PAIR_ROWS(mc) : kind != Q4_0 && kind != Q4_1;
+  const int two_steps = q4_x8 || FLOAT_WEIGHTS(kind);
 #endif
   uint8_t seen = 0;
   for (size_t b = 0; b < B; ++b, qs += block) {
@@ -1025,10 +1049,10 @@ NOINLINE void read_rows(int kind, const matrix *w, size_t n, size_t rows, size_t
 
 // ---- K-quants, a row at a time ----
 //
-// A Q4_K, Q5_K or Q6_K row is super-blocks of 256 values, each one of x's blocks (quantize_x_k).
+// A K-quant row is super-blocks of 256 values, each one of x's blocks (quantize_x_k).
 // Q4_K: value = d sc[j] q - dmin mn[j] for q in 0..15 and 6-bit sc, mn per 32 values j; Q5_K the
 // same with q in 0..31; Q6_K: value = d sc[j] (q - 32) for q in 0..63 and signed 8-bit sc per 16
-// values j (ggml's dequantize_row_q4_K, _q5_K and _q6_K). Per super-block and row of x, the
+// values j (ggml's dequantize_row_q4_K, _q5_K and _q6_K); Q3_K and Q2_K as q23k_row says. Per super-block and row of x, the
 // products of 32 values are a `maddubs`, a `madd` by their scale and an integer add, and the
 // super-block's sum is scaled once; the mins (Q4_K, Q5_K) and Q6_K's -32 are x's sums of 16 (bs)
 // times the scales, a `madd` a super-block.
@@ -1146,6 +1170,81 @@ INLINE void q6k_row(const workspace *ws, const uint8_t *ql, const uint16_t *d, c
   for (size_t i = 0; i < MC; ++i) out[i] = hsum(acc[i]);
 }
 
+// Q3_K's sixteen 6-bit scales, packed in 12 bytes (ggml's dequantize_row_q3_K: bytes 0..7 hold
+// the low 4 bits of scales 0..7 and, in their high nibbles, of 8..15; bytes 8..11 the top 2 bits,
+// four to a byte), as 16 signed bytes less their offset of 32.
+INLINE __m128i k3_scales(const uint8_t *q) {
+  uint32_t u[3];
+  __builtin_memcpy(u, q, 12);
+  const uint32_t low4 = 0x0f0f0f0f, low2 = 0x03030303;
+  __m128i sc = _mm_setr_epi32((int)((u[0] & low4) | ((u[2] & low2) << 4)),
+                              (int)((u[1] & low4) | (((u[2] >> 2) & low2) << 4)),
+                              (int)(((u[0] >> 4) & low4) | (((u[2] >> 4) & low2) << 4)),
+                              (int)(((u[1] >> 4) & low4) | (((u[2] >> 6) & low2) << 4)));
+  return _mm_sub_epi8(sc, _mm_set1_epi8(32));
+}
+
+// One Q3_K or Q2_K row times MC rows of x into out. Per super-block both hold 64 bytes of 2-bit
+// parts: value 128 h + 32 j + l (h = 0, 1; j = 0..3; l = 0..31) is bits 2j, 2j + 1 of qs[32 h + l],
+// its scale number 8 h + 2 j + l / 16 (ggml's dequantize_row_q3_K and _q2_K). Q3_K: value =
+// d sc (q - 4), q the 2 bits with bit 4h + j of hmask[l] as its third, sc 6-bit less 32; Q2_K:
+// value = d sc q - dmin mn, sc and mn each byte of scales' low and high nibble. The -4 and the mins
+// are x's sums of 16 times the scales (mins), a `madd` a super-block.
+INLINE void q23k_row(int kind, const workspace *ws, const uint8_t *qs, const uint16_t *d, const uint16_t *dmin,
+                     const uint8_t *hmask, const uint8_t *scales, size_t MC, size_t K, float *out) {
+  size_t S = K / 256;
+  const __m256i low2 = _mm256_set1_epi8(3), third = _mm256_set1_epi8(4);
+  __m256 acc[MC];
+  for (size_t i = 0; i < MC; ++i) acc[i] = _mm256_setzero_ps();
+  for (size_t s = 0; s < S; ++s, qs += 64, hmask += 32, scales += kind == Q3_K ? 12 : 16) {
+    PREFETCH_LINE(qs);
+    if (kind == Q3_K && !(s & 1)) PREFETCH_LINE(hmask);
+    __m256i sc, mn = _mm256_setzero_si256(), sum[MC], mins[MC];
+    if (kind == Q3_K) {
+      sc = _mm256_cvtepi8_epi16(k3_scales(scales));
+    } else {
+      __m128i b = _mm_loadu_si128((const __m128i *)scales);
+      sc = _mm256_cvtepu8_epi16(_mm_and_si128(b, _mm_set1_epi8(15)));
+      mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15)));
+    }
+    // each half's eight scales in both 128-bit halves, for lanes16
+    const __m256i half_sc[2] = {_mm256_permute2x128_si256(sc, sc, 0x00), _mm256_permute2x128_si256(sc, sc, 0x11)};
+    for (size_t i = 0; i < MC; ++i) {
+      __m256i bs = load32(ws->bs + i * (K / 16) + 16 * s);
+      if (kind == Q3_K)  // the -4 of every value
+        sum[i] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc, bs), 2));
+      else
+        sum[i] = _mm256_setzero_si256(), mins[i] = _mm256_madd_epi16(mn, bs);
+    }
+    const __m256i hm = kind == Q3_K ? load32(hmask) : _mm256_setzero_si256();
+    for (size_t h = 0; h < 2; ++h) {
+      __m256i v = load32(qs + 32 * h);
+      for (size_t j = 0; j < 4; ++j) {
+        __m256i q = _mm256_and_si256(_mm256_srli_epi16(v, 2 * (int)j), low2);
+        if (kind == Q3_K) {  // bit 4h + j of each byte to bit 2 (each byte's own: the shifts stay within it)
+          int bit = 4 * (int)h + (int)j;
+          __m256i t = bit >= 2 ? _mm256_srli_epi16(hm, bit - 2) : _mm256_slli_epi16(hm, 2 - bit);
+          q = _mm256_or_si256(q, _mm256_and_si256(t, third));
+        }
+        // the two scales of these 32 values, one for each 16: 16-bit lanes 0..7, then 8..15
+        __m256i sc16 = lanes16(half_sc[h], 2 * (int)j, 2 * (int)j + 1);
+        for (size_t i = 0; i < MC; ++i) {  // |maddubs| <= 2 * 7 * 127: no saturation
+          __m256i xb = load32(ws->q + i * K + 256 * s + 128 * h + 32 * j);
+          sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xb), sc16));
+        }
+      }
+    }
+    float ds = half(d[s]);
+    for (size_t i = 0; i < MC; ++i) {
+      float xd = ws->xd[i * S + s];
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[i]), _mm256_set1_ps(ds * xd), acc[i]);
+      if (kind == Q2_K)
+        acc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins[i]), _mm256_set1_ps(half(dmin[s]) * xd), acc[i]);
+    }
+  }
+  for (size_t i = 0; i < MC; ++i) out[i] = hsum(acc[i]);
+}
+
 // Q4_K with rows interleaved eight at a time (Q4_KX8): per group of eight rows and super-block,
 // qs is 32 chunks of 32 bytes (chunk j: bytes 4j .. 4j + 3 of the eight rows' 128, so chunks
 // 8c .. 8c + 7 hold sub-blocks 2c, low nibbles, and 2c + 1, high), the scales 3 chunks (bytes
@@ -1244,21 +1343,25 @@ INLINE void k_row(int kind, const workspace *ws, const matrix *w, size_t n, size
   if (kind == Q4_K || kind == Q5_K)
     q4k_row(kind, ws, (const uint8_t *)w->qs + n * (K / 2), w->d + n * S, w->m + n * S, w->s + n * S * 12,
             kind == Q5_K ? w->h + n * (K / 8) : 0, MC, K, out);
-  else
+  else if (kind == Q6_K)
     q6k_row(ws, (const uint8_t *)w->qs + n * (K / 2), w->d + n * S, w->h + n * (K / 4),
             (const int8_t *)w->s + n * (K / 16), MC, K, out);
+  else
+    q23k_row(kind, ws, (const uint8_t *)w->qs + n * (K / 4), w->d + n * S, kind == Q2_K ? w->m + n * S : 0,
+             kind == Q3_K ? w->h + n * (K / 8) : 0, w->s + n * S * (kind == Q3_K ? 12 : 16), MC, K, out);
 }
 
-// Row wn of float16 weights times rows [0, mc) of x into column c of out.
-INLINE void f16_rows(const float *x, const uint16_t *wn, size_t mc, size_t K, float out[MAX_M][8], size_t c) {
+// Row wn of float16 (bf16 0) or bfloat16 weights times rows [0, mc) of x into column c of out.
+INLINE void f16_rows(const int bf16, const float *x, const uint16_t *wn, size_t mc, size_t K, float out[MAX_M][8],
+                     size_t c) {
   float column[MAX_M];
-#define ROW(MC) ((MC) == 1 ? f16_row : F16_ROWS)(x, wn, MC, K, column)
+#define ROW(MC) ((MC) == 1 ? f16_row : F16_ROWS)(bf16, x, wn, MC, K, column)
   FOR_CONSTANT_MC(mc, ROW)
 #undef ROW
   for (size_t i = 0; i < mc; ++i) out[i][c] = column[i];
 }
 
-// Rows n .. n + 7 of matrix w with interleaved rows (Q4_0X8, Q4_1X8, Q5_0X8, Q8_0X8), else row n, times
+// Rows n .. n + 7 of matrix w with interleaved rows (X8_KIND), else row n, times
 // rows [m0, m0 + mc) of x (quantized in ws unless F16) into out[0, mc)[r].
 INLINE void some_rows(int kind, workspace *ws, const float *x, const matrix *w, size_t n, size_t mc, size_t K,
                       float out[MAX_M][8]) {
@@ -1266,15 +1369,14 @@ INLINE void some_rows(int kind, workspace *ws, const float *x, const matrix *w, 
   float column[MAX_M];  // one row of w's outputs
 #if SHARKPORT_PRODUCTS
 #if SHARKPORT_PRODUCTS == 1
-  read_rows(kind, w, n, kind == Q4_0X8 || kind == Q4_1X8 || kind == Q5_0X8 || kind == Q8_0X8 || kind == Q4_KX8 ? 8 : 1,
-            mc, K);
+  read_rows(kind, w, n, X8_KIND(kind) ? 8 : 1, mc, K);
 #endif
   for (size_t i = 0; i < mc; ++i)
     for (size_t r = 0; r < 8; ++r) out[i][r] = 0.0f;
   return;
 #endif
-  if (kind == F16) {
-    f16_rows(x, (const uint16_t *)w->qs + n * K, mc, K, out, 0);
+  if (FLOAT_WEIGHTS(kind)) {
+    f16_rows(kind == BF16, x, (const uint16_t *)w->qs + n * K, mc, K, out, 0);
     return;
   }
   if (kind == Q4_KX8) {  // the group's planes start where row n's would
@@ -1285,7 +1387,7 @@ INLINE void some_rows(int kind, workspace *ws, const float *x, const matrix *w, 
 #undef ROW
     return;
   }
-  if (kind == Q4_K || kind == Q5_K || kind == Q6_K) {
+  if (X_PER_256(kind)) {  // a K-quant a row at a time
 #define ROW(MC) k_row(kind, ws, w, n, MC, K, column)
     FOR_CONSTANT_MC(mc, ROW)
 #undef ROW
@@ -1294,14 +1396,14 @@ INLINE void some_rows(int kind, workspace *ws, const float *x, const matrix *w, 
   }
   const uint8_t *qn = (const uint8_t *)w->qs + n * (kind == Q8_0 || kind == Q8_0X8 ? K : K / 2);
   const uint16_t *d = w->d + n * B, *m = w->m ? w->m + n * B : 0;
-  const uint8_t *qh = w->h ? w->h + n * B * 4 : 0;  // Q5_0's (interleaved: the group's from n)
+  const uint8_t *qh = w->h ? w->h + n * B * 4 : 0;  // Q5's (interleaved: the group's from n)
   if (kind == Q8_0X8) {
 #define ROW(MC) AT_ROWS(q8_x8, MC)(ws, (const int8_t *)qn, d, K, out)
     FOR_CONSTANT_MC(mc, ROW)
 #undef ROW
     return;
   }
-  if (kind == Q4_0X8 || kind == Q4_1X8 || kind == Q5_0X8) {
+  if (Q4_X8_KIND(kind)) {
 #define ROW(MC) AT_ROWS(q4_x8, MC)(ws, kind, qn, d, m, qh, K, out)
     FOR_CONSTANT_MC(mc, ROW)
 #undef ROW
@@ -1336,28 +1438,27 @@ static void rms_norm_rows(const float *x, const float *g, float eps, size_t M, s
 }
 
 // Rows [m0, m0 + mc) of x [M, K] prepared in ws for the products of weights of `kind`: where g is
-// not null, RMS-normalized by it into ws->xn (a row at a time, as each is quantized; F16's mc
-// rows at once, mc K <= XN_FLOATS); then, unless F16, quantized in blocks of 256 for the K-quants,
-// else of 32 (and paired, for Q4 and Q5_0). Returns the rows as the F16 products read them: in
-// ws->xn, or in x.
+// not null, RMS-normalized by it into ws->xn (a row at a time, as each is quantized; float
+// weights' mc rows at once, mc K <= XN_FLOATS); then, unless the weights are floats, quantized in
+// blocks of 256 for the K-quants, else of 32 (and paired, for Q4 and Q5). Returns the rows as
+// the float products read them: in ws->xn, or in x.
 INLINE const float *prepare_x(int kind, const float *x, const float *g, float eps, size_t K, size_t m0, size_t mc,
                               workspace *ws) {
   x += m0 * K;
-  if (kind == F16) {
+  if (FLOAT_WEIGHTS(kind)) {
     if (!g) return x;
     rms_norm_rows(x, g, eps, mc, K, ws->xn);
     return ws->xn;
   }
-  const int per_256 = kind == Q4_K || kind == Q5_K || kind == Q6_K || kind == Q4_KX8;
   for (size_t i = 0, rows = g ? 1 : mc; i < mc; i += rows) {  // normalized: a row at a time
     const float *xi = x + i * K;
     if (g) rms_norm_rows(xi, g, eps, 1, K, ws->xn), xi = ws->xn;
-    if (per_256)
+    if (X_PER_256(kind))
       quantize_x_k(xi, rows, K, ws->q + i * K, ws->xd + i * (K / 256), ws->bs + i * (K / 16));
     else
       quantize_x(xi, rows, K, ws->q + i * K, ws->xd + i * (K / 32), ws->xs + i * (K / 32));
   }
-  if (kind == Q4_0 || kind == Q4_1 || kind == Q5_0) pair_blocks(ws->q, mc, K);
+  if (kind == Q4_0 || kind == Q4_1 || kind == Q5_0 || kind == Q5_1) pair_blocks(ws->q, mc, K);
   return x;
 }
 
@@ -1374,17 +1475,17 @@ INLINE void product_rows(int kind, int op, workspace *ws, const float *x, const 
                          const float *r, float *y, size_t M, size_t N, size_t K, size_t m0, size_t mc, size_t n0,
                          size_t n1) {
   // rows of w at a time
-  const size_t group = kind == Q4_0X8 || kind == Q4_1X8 || kind == Q5_0X8 || kind == Q8_0X8 || kind == Q4_KX8 ? 8 : 1;
-  const int pairs = kind == F16 && F16_PAIRS(mc);  // F16 rows of w two at a time (f16_pairs)
+  const size_t group = X8_KIND(kind) ? 8 : 1;
+  const int pairs = FLOAT_WEIGHTS(kind) && F16_PAIRS(mc);  // float rows of w two at a time (f16_pairs)
   size_t j = 0, first = 0;  // the matrix holding output n, its first output
   for (size_t n = n0, step; n < n1; n += step) {
     while (op == CONCAT && j + 1 < count && n >= first + w[j].n) first += w[j++].n;
-    const uint16_t *f16 = kind == F16 ? (const uint16_t *)w[j].qs + (n - first) * K : 0;  // row n's weights
+    const uint16_t *f16 = FLOAT_WEIGHTS(kind) ? (const uint16_t *)w[j].qs + (n - first) * K : 0;  // row n's weights
     float out[MAX_M][8];
     step = group;
     if (op == SWIGLU) {
       float up[MAX_M][8];
-      if (kind == F16 && !SHARKPORT_PRODUCTS) {
+      if (FLOAT_WEIGHTS(kind) && !SHARKPORT_PRODUCTS) {
         // Up to eight outputs, so that their silu goes at once (swiglu8; a silu at a time took
         // 15% of gate/up's samples at four rows of x, a product in the caches).
         // tools/matvec_harness.c f16-swiglu 1536x576, four rows of x, the best of 8 rounds: in the
@@ -1394,10 +1495,10 @@ INLINE void product_rows(int kind, int op, workspace *ws, const float *x, const 
         for (size_t c = 0; c < step; ++c) {
           const uint16_t *gate = f16 + c * K, *upw = (const uint16_t *)w[1].qs + (n + c) * K;
           if (pairs) {  // the gate's row and the up projection's together
-            f16_pairs(x, gate, upw, mc, K, out[0] + c, up[0] + c);
+            f16_pairs(kind == BF16, x, gate, upw, mc, K, out[0] + c, up[0] + c);
           } else {
-            f16_rows(x, gate, mc, K, out, c);
-            f16_rows(x, upw, mc, K, up, c);
+            f16_rows(kind == BF16, x, gate, mc, K, out, c);
+            f16_rows(kind == BF16, x, upw, mc, K, up, c);
           }
         }
       } else {
@@ -1419,7 +1520,7 @@ INLINE void product_rows(int kind, int op, workspace *ws, const float *x, const 
       // forward through the weights as one row at a time would (pairing rows n + p and n + p + 1
       // instead read 1536x576 from memory 10 to 20% slower than one row at a time did).
       for (size_t p = 0; p < h; ++p) {
-        f16_pairs(x, f16 + p * K, f16 + (h + p) * K, mc, K, out[0], out[0] + 1);
+        f16_pairs(kind == BF16, x, f16 + p * K, f16 + (h + p) * K, mc, K, out[0], out[0] + 1);
         for (size_t i = 0; i < mc; ++i) {
           size_t at = first * M + (m0 + i) * w[j].n + n - first + p;
           put(y, r, at, out[i][0]);
@@ -1440,7 +1541,7 @@ INLINE void product_rows(int kind, int op, workspace *ws, const float *x, const 
 // Rows of x the products take at a time from m0: F16 up to MAX_M (normalized: as many as ws->xn
 // holds), else as many as ws holds quantized (chunk_rows).
 INLINE size_t x_rows(int kind, const float *g, size_t M, size_t m0, size_t K) {
-  if (kind != F16) return chunk_rows(M, m0, K);
+  if (!FLOAT_WEIGHTS(kind)) return chunk_rows(M, m0, K);
   size_t left = M - m0, most = g && XN_FLOATS / K < MAX_M ? XN_FLOATS / K : MAX_M;
   return left < most ? left : most;
 }
@@ -1504,6 +1605,17 @@ INLINE void matvec(int kind, int op, const float *x, const float *g, float eps, 
   MEMREF(const uint8_t, p##ql), MEMREF(const uint16_t, p##d), MEMREF(const uint8_t, p##qh), \
       MEMREF(const uint8_t, p##sc)
 #define MAT_Q6_K(p, rows) {BASE(p##ql), BASE(p##d), 0, rows, BASE(p##qh), BASE(p##sc)}
+#define ARGS_Q3_K(p) \
+  MEMREF(const uint8_t, p##qs), MEMREF(const uint16_t, p##d), MEMREF(const uint8_t, p##hm), MEMREF(const uint8_t, p##sc)
+#define MAT_Q3_K(p, rows) {BASE(p##qs), BASE(p##d), 0, rows, BASE(p##hm), BASE(p##sc)}
+#define ARGS_Q2_K ARGS_Q4_K
+#define MAT_Q2_K MAT_Q4_K
+#define ARGS_Q5_1(p) ARGS_Q4_1(p), MEMREF(const uint8_t, p##qh)
+#define MAT_Q5_1(p, rows) {BASE(p##qs), BASE(p##d), BASE(p##m), rows, BASE(p##qh), 0}
+#define ARGS_Q5_1X8 ARGS_Q5_1
+#define MAT_Q5_1X8 MAT_Q5_1
+#define ARGS_BF16 ARGS_F16
+#define MAT_BF16 MAT_F16
 #define X_ARG MEMREF(const float, x)
 #define NORM_ARG MEMREF(const float, g)
 #define N_ARGS size_t M, size_t N, size_t K, size_t rows, size_t wg
@@ -1553,6 +1665,11 @@ DEFINE_KERNELS(Q4_K, q4_k)
 DEFINE_KERNELS(Q4_KX8, q4_kx8)
 DEFINE_KERNELS(Q5_K, q5_k)
 DEFINE_KERNELS(Q6_K, q6_k)
+DEFINE_KERNELS(BF16, bf16)
+DEFINE_KERNELS(Q3_K, q3_k)
+DEFINE_KERNELS(Q2_K, q2_k)
+DEFINE_KERNELS(Q5_1, q5_1)
+DEFINE_KERNELS(Q5_1X8, q5_1x8)
 #undef X_ARG
 #undef NORM_ARG
 #undef N_ARGS
@@ -2224,10 +2341,10 @@ typedef struct {
 
 // Rows [n, n + rows) of w [N, K] (n a multiple of 8 with interleaved rows).
 INLINE upcoming weight_rows(int kind, const matrix *w, size_t n, size_t rows, size_t K) {
-  size_t B = K / 32, row = kind == F16 ? 2 * K : kind == Q8_0 || kind == Q8_0X8 ? K : K / 2;
+  size_t B = K / 32, row = FLOAT_WEIGHTS(kind) ? 2 * K : kind == Q8_0 || kind == Q8_0X8 ? K : K / 2;
   upcoming u = {{0}, {0}};
   u.at[0] = (const char *)w->qs + n * row, u.bytes[0] = rows * row;
-  if (kind != F16) u.at[1] = (const char *)(w->d + n * B), u.bytes[1] = rows * B * 2;
+  if (!FLOAT_WEIGHTS(kind)) u.at[1] = (const char *)(w->d + n * B), u.bytes[1] = rows * B * 2;
   if (w->m) u.at[2] = (const char *)(w->m + n * B), u.bytes[2] = rows * B * 2;
   return u;
 }
@@ -2406,3 +2523,4 @@ DEFINE_BLOCK_KERNELS(Q4_0X8, q4_0x8)
 DEFINE_BLOCK_KERNELS(Q4_1X8, q4_1x8)
 DEFINE_BLOCK_KERNELS(Q8_0X8, q8_0x8)
 DEFINE_BLOCK_KERNELS(F16, f16)
+DEFINE_BLOCK_KERNELS(BF16, bf16)

@@ -12,7 +12,7 @@ from iree.turbine.runtime.op_reg import CustomOp, KernelBuilder, KernelSelection
 from ..archive.tensors import QuantizedTensor
 from ..mlir_ops import call_mlir_function
 from . import mlir
-from .layout import PLANES, STORED, quantized_x
+from .layout import FLOAT_KINDS, PLANES, STORED, quantized_x
 from .shapes import (FORMS, PREFILL_ROWS, AttentionShape, BlockShape, Form, PrefillShape, product_c_name,
                      product_stem)
 
@@ -26,7 +26,7 @@ _LIBRARY = def_library("sharkport_kernels")
 
 def _dequantized(kind: str, planes, k: int) -> torch.Tensor:
     """The matrix of `planes` (PLANES[kind] order; interleaved rows put back) as float32 [N, k]."""
-    if kind == "F16":
+    if kind in FLOAT_KINDS:
         return planes[0].to(torch.float32)
     w = QuantizedTensor(STORED.get(kind, kind), (planes[0].shape[0], k), dict(zip(PLANES[kind], planes)),
                         interleaved=kind in STORED)
@@ -43,7 +43,7 @@ def _eager(kind: str, form: Form, x: torch.Tensor, *args) -> torch.Tensor:
         g, *args = args
         x = rms_norm(x, g, eps)
     planes, residual = (args[:-1], args[-1]) if form.residual else (args, None)
-    x = x if kind == "F16" else quantized_x(x, kind)
+    x = x if kind in FLOAT_KINDS else quantized_x(x, kind)
     per = len(PLANES[kind])
     ys = [torch.mm(x, _dequantized(kind, planes[i:i + per], x.shape[1]).t()) for i in range(0, len(planes), per)]
     if form.swiglu:
