@@ -1342,9 +1342,8 @@ FOR_EACH_ROW_COUNT(Q4K_X8_AT)
 // super-block's values are unpacked 64 at a time (k_values_zmm), and per 64 values and row of x
 // a `maddubs` gives 16-bit pair sums and one `vpdpwssd` multiplies them by their scales (of 16
 // values, or of 32 for Q4_K and Q5_K) into 32 bits and adds them: two instructions where the
-// AVX2 loops take six. One thread, 3072x3072 from memory, against the AVX2 loops: eight rows of x
-// (prefill) Q6_K 1179 -> 758 us, Q3_K 1190 -> 793, Q2_K 1053 -> 644; four rows 554 -> 383,
-// 603 -> 404, 532 -> 335; one row about the same (bound by memory).
+// AVX2 loops take six, so several rows of x (batches, prefill) stay bound by memory longer
+// (docs/performance.md).
 
 // Values 64v .. 64v + 63 of a super-block (v = 0..3) as unsigned bytes (see q4k_row, q6k_row and
 // q23k_row for where they lie). Q4_K and Q5_K: blocks 2v (the low 32 bytes) and 2v + 1, the low
