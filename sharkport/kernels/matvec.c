@@ -1330,10 +1330,95 @@ INLINE void q4k_x8(const workspace *ws, const uint8_t *qs, const uint16_t *d, co
   group_outputs(acc, MC, out);
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// Q4_KX8 with AVX-512 VNNI, as q4_x8_zmm: one 64-byte load holds two chunks of the eight rows in
+// pair lanes, and a sub-block's 32 values meet a row of x in four `vpdpbusd`; each sub-block's
+// sums are multiplied by the rows' scales in 32 bits (at most 16 * 15 * 127 before, 63 times that
+// after), and the mins meet x's sums of 16 in one `vpdpwssd` per two sub-blocks.
+#define Q4K_X8_LOOP q4k_x8_zmm
+
+// Lanes 2r and 2r + 1: lane r of v (a 32-bit word of each of the eight rows).
+INLINE __m512i pair_words(__m256i v) {
+  return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
+                                  _mm512_castsi256_si512(v));
+}
+
+// Byte b of each 32-bit lane of v, zero-extended.
+INLINE __m512i byte_of_words(__m512i v, int b) {
+  return _mm512_shuffle_epi8(v, _mm512_set4_epi32((int)(0x80808000u | (12 + b)), (int)(0x80808000u | (8 + b)),
+                                                  (int)(0x80808000u | (4 + b)), (int)(0x80808000u | b)));
+}
+
+// Pair lanes of the mins of sub-blocks 2j (even lanes) and 2j + 1 (odd lanes), each in both of the
+// lane's 16-bit halves, from mn (pair_words of the rows' mins 4t .. 4t + 3, t = j / 2).
+INLINE __m512i mins_in_pairs(__m512i mn, int j) {
+  const int e = 2 * (j % 2), o = e + 1;  // the two sub-blocks' bytes in a lane
+  return _mm512_shuffle_epi8(mn, _mm512_set4_epi32((int)(0x80008000u | (12 + o) << 16 | (12 + o)),
+                                                   (int)(0x80008000u | (8 + e) << 16 | (8 + e)),
+                                                   (int)(0x80008000u | (4 + o) << 16 | (4 + o)),
+                                                   (int)(0x80008000u | e << 16 | e)));
+}
+
+INLINE void q4k_x8_zmm(const workspace *ws, const uint8_t *qs, const uint16_t *d, const uint16_t *dmin,
+                       const uint8_t *scales, size_t MC, size_t K, float out[MAX_M][8]) {
+  size_t S = K / 256;
+  const __m512i low4 = _mm512_set1_epi8(15);
+  EIGHT(__m512, acc, _mm512_setzero_ps());
+  EIGHT(__m256, off, _mm256_setzero_ps());
+  for (size_t s = 0; s < S; ++s, qs += 1024, scales += 96) {
+    __m256i sc[2], mn[2];
+    k4_scales_x8(scales, sc, mn);
+    const __m512i sc2[2] = {pair_words(sc[0]), pair_words(sc[1])}, mn2[2] = {pair_words(mn[0]), pair_words(mn[1])};
+    EIGHT(__m512i, si, _mm512_setzero_si512());
+    for (size_t c = 0; c < 4; ++c) {  // sub-blocks 2c (low nibbles) and 2c + 1 (high) of chunks 8c .. 8c + 7
+      const uint8_t *chunk = qs + 256 * c;
+      for (size_t line = 0; line < 256; line += 64) PREFETCH_TWO_STEPS(chunk + line);
+      __m512i lo[4], hi[4];
+      for (size_t j = 0; j < 4; ++j) {
+        __m512i v = pair_chunks(_mm512_loadu_si512(chunk + 64 * j));
+        lo[j] = _mm512_and_si512(v, low4);
+        hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
+      __m512i scale_lo = byte_of_words(sc2[c / 2], (int)(2 * c % 4)), scale_hi = byte_of_words(sc2[c / 2], (int)(2 * c % 4 + 1));
+#define ROW(i)                                                                                                 \
+  if (i < MC) {                                                                                                \
+    const int8_t *xq = ws->q + i * K + 256 * s + 64 * c; /* sub-block 2c, then 2c + 1 */                       \
+    __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[0], broadcast8(xq));                            \
+    __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[0], broadcast8(xq + 32));                       \
+    for (size_t j = 1; j < 4; ++j) {                                                                           \
+      a = _mm512_dpbusd_epi32(a, lo[j], broadcast8(xq + 8 * j));                                               \
+      b = _mm512_dpbusd_epi32(b, hi[j], broadcast8(xq + 32 + 8 * j));                                          \
+    }                                                                                                          \
+    si##i = _mm512_add_epi32(si##i, _mm512_add_epi32(_mm512_mullo_epi32(a, scale_lo), _mm512_mullo_epi32(b, scale_hi))); \
+  }
+      ROWS_OF_X(ROW)
+#undef ROW
+    }
+    const __m512i mk[4] = {mins_in_pairs(mn2[0], 0), mins_in_pairs(mn2[0], 1), mins_in_pairs(mn2[1], 2),
+                           mins_in_pairs(mn2[1], 3)};
+    __m512 dv = pair_scales(halves8(d + 8 * s)), mv = pair_scales(halves8(dmin + 8 * s));
+#define ROW(i)                                                                                                 \
+  if (i < MC) {                                                                                                \
+    const int8_t *bs = (const int8_t *)(ws->bs + i * (K / 16) + 16 * s); /* 4 sums of 16 per two sub-blocks */ \
+    __m512i mins = _mm512_dpwssd_epi32(_mm512_setzero_si512(), mk[0], broadcast8(bs));                         \
+    for (size_t j = 1; j < 4; ++j) mins = _mm512_dpwssd_epi32(mins, mk[j], broadcast8(bs + 8 * j));            \
+    __m512 xd = _mm512_set1_ps(ws->xd[i * S + s]);                                                             \
+    acc##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si##i), _mm512_mul_ps(dv, xd), acc##i);                        \
+    acc##i = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(mv, xd), acc##i);                        \
+  }
+    ROWS_OF_X(ROW)
+#undef ROW
+  }
+  PAIR_OUTPUTS;
+}
+#else
+#define Q4K_X8_LOOP q4k_x8
+#endif
+
 #define Q4K_X8_AT(MC) /* as Q4_X8_AT */                                                                         \
   NOINLINE void q4k_x8_##MC(const workspace *ws, const uint8_t *qs, const uint16_t *d, const uint16_t *dmin,  \
                             const uint8_t *scales, size_t K, float out[MAX_M][8]) {                             \
-    q4k_x8(ws, qs, d, dmin, scales, MC, K, out);                                                                \
+    Q4K_X8_LOOP(ws, qs, d, dmin, scales, MC, K, out);                                                           \
   }
 FOR_EACH_ROW_COUNT(Q4K_X8_AT)
 
