@@ -855,7 +855,7 @@ def test_norms_of_layers_of_mixed_types_go_inside_the_products(tmp_path):
     output, service = export_model(Dataset.load(irpa), config, exact_cache(config.block_seq_stride))
     save_export(output, service, tmp_path / "m.mlir", tmp_path / "m.json")
     text = (tmp_path / "m.mlir").read_text()
-    for name in ("matvec_norm_q4_kx8", "matvec_norm_q5_k", "matvec_norm_q8_0x8", "matvec_swiglu_norm_q4_kx8"):
+    for name in ("matvec_norm_q4_kx8", "matvec_norm_q5_kx8", "matvec_norm_q8_0x8", "matvec_swiglu_norm_q4_kx8"):
         assert re.search(rf"@sharkport_{name}\(", text), f"{name} is not called"
     assert "torch.aten.mean" not in text and "sharkport_rms_norm" not in text
 
@@ -879,7 +879,7 @@ def test_q2_k_layer_through_the_compiled_kernels_computes_as_transformers(tmp_pa
     output, service = export_model(dataset, config, exact_cache(config.block_seq_stride))
     save_export(output, service, tmp_path / "m.mlir", tmp_path / "m.json")
     text = (tmp_path / "m.mlir").read_text()
-    for name in ("matvec_swiglu_norm_q2_k", "matvec_add_q3_k", "matvec_norm_q6_k"):
+    for name in ("matvec_swiglu_norm_q2_k", "matvec_add_q3_k", "matvec_norm_q6_kx8"):
         assert re.search(rf"@sharkport_{name}\(", text), f"{name} is not called"
     compile_mlir(tmp_path / "m.mlir", tmp_path / "m.vmfb")
     session = IreeSession(tmp_path / "m.vmfb", irpa, tmp_path / "m.json", pages=TINY_EXPORT.device_block_count)

@@ -298,7 +298,7 @@ def main() -> None:
     parser.add_argument("--types",
                         help="comma-separated (default q4_1,q8_0,f16 for smollm2, the shipped q4_k_m for gemma3; also "
                              f"q4_0, q5_0, q5_1, bf16 and llama.cpp's mixtures {', '.join(llamacpp.MIXES)}, made by "
-                             "its quantizer; q3_k_m and q2_k for llama3-3b, whose widths are multiples of 256)")
+                             "its quantizer)")
     parser.add_argument("--target", default="llvm-cpu", help="compile preset (default llvm-cpu)")
     parser.add_argument("--rounds", type=int, default=6, help="interleaved measuring rounds (default 6)")
     parser.add_argument("--loads", type=int, default=2,

@@ -47,10 +47,8 @@ N_CTX = 512
 TYPES = ("f16", "q8_0", "q4_1", "q4_0", "q5_0", "bf16")
 DEFAULT_TYPES = TYPES[:5]
 # llama.cpp's own mixtures, as the files people download are made (a K-quant takes rows of 256
-# values: narrower matrices get the type llama.cpp falls back to, Q5_0, Q5_1 or Q8_0 for Q4_K, Q5_K
-# and Q6_K;
-# for Q2_K and Q3_K IQ4_NL, which sharkport does not read, so their mixtures need models whose
-# widths are multiples of 256, as llama-3's)
+# values: narrower matrices get the type llama.cpp falls back to, here Q5_0, Q5_1 and Q8_0 for
+# Q4_K, Q5_K and Q6_K, Q4_0 for Q2_K and Q3_K)
 MIXES = ("q4_k_m", "q5_k_m", "q6_k", "q3_k_m", "q2_k")
 
 

@@ -259,20 +259,22 @@ INLINE size_t chunk_rows(size_t M, size_t m0, size_t K) {
 }
 
 // Weight types: as stored (a w of a row count not a multiple of 8 is multiplied a row at a time;
-// the K-quants but Q4_K always are), and with rows interleaved eight at a time (the X8 types:
-// q4_x8, q8_x8, q4k_x8).
+// Q2_K and Q3_K always are), and with rows interleaved eight at a time (the X8 types: q4_x8,
+// q8_x8, q4k_x8, q6k_x8).
 enum { Q8_0, Q4_0, Q4_1, Q4_0X8, Q4_1X8, Q8_0X8 };
-enum { F16 = Q8_0X8 + 1, Q5_0, Q4_K, Q6_K, Q5_0X8, Q5_K, Q4_KX8, BF16, Q3_K, Q2_K, Q5_1, Q5_1X8 };
+enum { F16 = Q8_0X8 + 1, Q5_0, Q4_K, Q6_K, Q5_0X8, Q5_K, Q4_KX8, BF16, Q3_K, Q2_K, Q5_1, Q5_1X8, Q5_KX8, Q6_KX8 };
 // the types q4_x8 reads, and all the interleaved ones
 #define Q4_X8_KIND(kind) ((kind) == Q4_0X8 || (kind) == Q4_1X8 || (kind) == Q5_0X8 || (kind) == Q5_1X8)
-#define X8_KIND(kind) (Q4_X8_KIND(kind) || (kind) == Q8_0X8 || (kind) == Q4_KX8)
+#define K4_X8_KIND(kind) ((kind) == Q4_KX8 || (kind) == Q5_KX8)  // the types q4k_x8 reads
+#define X8_KIND(kind) (Q4_X8_KIND(kind) || (kind) == Q8_0X8 || K4_X8_KIND(kind) || (kind) == Q6_KX8)
 // Float weights (read as they are, x not quantized), and the weight types whose x is quantized per
 // 256 values (quantize_x_k).
 #define FLOAT_WEIGHTS(kind) ((kind) == F16 || (kind) == BF16)
 #define OFFSETS(kind) ((kind) == Q4_1 || (kind) == Q5_1)     // value = d q + m (row at a time)
 #define FIFTH_BITS(kind) ((kind) == Q5_0 || (kind) == Q5_1)  // q of 5 bits, the fifth in qh (row at a time)
 #define X_PER_256(kind) \
-  ((kind) == Q4_K || (kind) == Q5_K || (kind) == Q6_K || (kind) == Q4_KX8 || (kind) == Q3_K || (kind) == Q2_K)
+  ((kind) == Q4_K || (kind) == Q5_K || (kind) == Q6_K || K4_X8_KIND(kind) || (kind) == Q6_KX8 || (kind) == Q3_K || \
+   (kind) == Q2_K)
 
 // For one row of w with block scales d (and offsets m, Q4_1 and Q5_1): cs[i, b] = d[b] xd[i, b] for
 // the MC rows i of x, and in off[i] the offset term: sum over blocks of the block's offset (Q4_0:
@@ -1274,13 +1276,17 @@ INLINE __m256i byte_in_halves(__m256i v, int k) {
   return _mm256_shuffle_epi8(v, _mm256_setr_m128i(at, at));
 }
 
-// Rows 0..7 of a Q4_KX8 group times MC rows of x (quantized per 256 values in ws): out[i][r].
-INLINE void q4k_x8(const workspace *ws, const uint8_t *qs, const uint16_t *d, const uint16_t *dmin,
-                   const uint8_t *scales, size_t MC, size_t K, float out[MAX_M][8]) {
+// Rows 0..7 of a Q4_KX8 or Q5_KX8 group times MC rows of x (quantized per 256 values in ws):
+// out[i][r]. Q5_K's qh is interleaved as qs: its chunk l holds the fifth bits of the values of
+// qs's chunks l, 8 + l, 16 + l and 24 + l (bit k: sub-block k's), and with values to 31 a
+// sub-block's 16-bit sums are taken into 32 bits every 4 chunks.
+INLINE void q4k_x8(const workspace *ws, int kind, const uint8_t *qs, const uint8_t *qh, const uint16_t *d,
+                   const uint16_t *dmin, const uint8_t *scales, size_t MC, size_t K, float out[MAX_M][8]) {
   size_t S = K / 256;
-  const __m256i low4 = _mm256_set1_epi8(15);
+  const int five = kind == Q5_KX8;
+  const __m256i low4 = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16);
   EIGHT(__m256, acc, _mm256_setzero_ps());
-  for (size_t s = 0; s < S; ++s, qs += 1024, scales += 96) {
+  for (size_t s = 0; s < S; ++s, qs += 1024, qh += five ? 256 : 0, scales += 96) {
     __m256i sc[2], mn[2];
     k4_scales_x8(scales, sc, mn);
     EIGHT(__m256i, si, _mm256_setzero_si256());
@@ -1288,10 +1294,16 @@ INLINE void q4k_x8(const workspace *ws, const uint8_t *qs, const uint16_t *d, co
       const uint8_t *chunk = qs + 256 * (k / 2);
       if (!(k & 1))
         for (size_t line = 0; line < 256; line += 64) PREFETCH_TWO_STEPS(chunk + line);
+      __m256i scale = byte_in_halves(sc[k / 4], (int)(k % 4));
       EIGHT(__m256i, s16, _mm256_setzero_si256());
       for (size_t l = 0; l < 8; ++l) {
         __m256i v = load32(chunk + 32 * l);
         __m256i q = _mm256_and_si256(k & 1 ? _mm256_srli_epi16(v, 4) : v, low4);
+        if (five) {  // bit k of qh's bytes to bit 4
+          __m256i h = load32(qh + 32 * l);
+          h = k < 4 ? _mm256_slli_epi16(h, (int)(4 - k)) : _mm256_srli_epi16(h, (int)(k - 4));
+          q = _mm256_or_si256(q, _mm256_and_si256(h, bit4));
+        }
 #define ROW(i)                                                                                 \
   if (i < MC) {                                                                                \
     const int8_t *xq = ws->q + i * K + 256 * s + 32 * k + 4 * l;                               \
@@ -1300,12 +1312,16 @@ INLINE void q4k_x8(const workspace *ws, const uint8_t *qs, const uint16_t *d, co
   }
         ROWS_OF_X(ROW)
 #undef ROW
-      }
-      __m256i scale = byte_in_halves(sc[k / 4], (int)(k % 4));
-#define ROW(i) \
-  if (i < MC) si##i = _mm256_add_epi32(si##i, _mm256_madd_epi16(s16##i, scale));
-      ROWS_OF_X(ROW)
+        if (l == 7 || (five && l == 3)) {  // at most 8 * 2 * 15 * 127, or 4 * 2 * 31 * 127
+#define ROW(i)                                                              \
+  if (i < MC) {                                                             \
+    si##i = _mm256_add_epi32(si##i, _mm256_madd_epi16(s16##i, scale));     \
+    s16##i = _mm256_setzero_si256();                                        \
+  }
+          ROWS_OF_X(ROW)
 #undef ROW
+        }
+      }
     }
     __m256 dv = halves8(d + 8 * s), mv = halves8(dmin + 8 * s);
     __m256i mk[8];  // each sub-block's mins, for x's two sums of 16
@@ -1331,22 +1347,16 @@ INLINE void q4k_x8(const workspace *ws, const uint8_t *qs, const uint16_t *d, co
 }
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-// Q4_KX8 with AVX-512 VNNI, as q4_x8_zmm: one 64-byte load holds two chunks of the eight rows in
-// pair lanes, and a sub-block's 32 values meet a row of x in four `vpdpbusd`; each sub-block's
-// sums are multiplied by the rows' scales in 32 bits (at most 16 * 15 * 127 before, 63 times that
-// after), and the mins meet x's sums of 16 in one `vpdpwssd` per two sub-blocks.
+// Q4_KX8 and Q5_KX8 with AVX-512 VNNI, as q4_x8_zmm: one 64-byte load holds two chunks of the
+// eight rows in pair lanes, and a sub-block's 32 values meet a row of x in four `vpdpbusd`; each
+// sub-block's sums are multiplied by the rows' scales in 32 bits (at most 16 * 31 * 128 before,
+// 63 times that after), and the mins meet x's sums of 16 in one `vpdpwssd` per two sub-blocks.
 #define Q4K_X8_LOOP q4k_x8_zmm
 
 // Lanes 2r and 2r + 1: lane r of v (a 32-bit word of each of the eight rows).
 INLINE __m512i pair_words(__m256i v) {
   return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
                                   _mm512_castsi256_si512(v));
-}
-
-// Byte b of each 32-bit lane of v, zero-extended.
-INLINE __m512i byte_of_words(__m512i v, int b) {
-  return _mm512_shuffle_epi8(v, _mm512_set4_epi32((int)(0x80808000u | (12 + b)), (int)(0x80808000u | (8 + b)),
-                                                  (int)(0x80808000u | (4 + b)), (int)(0x80808000u | b)));
 }
 
 // Pair lanes of the mins of sub-blocks 2j (even lanes) and 2j + 1 (odd lanes), each in both of the
@@ -1359,13 +1369,14 @@ INLINE __m512i mins_in_pairs(__m512i mn, int j) {
                                                    (int)(0x80008000u | e << 16 | e)));
 }
 
-INLINE void q4k_x8_zmm(const workspace *ws, const uint8_t *qs, const uint16_t *d, const uint16_t *dmin,
-                       const uint8_t *scales, size_t MC, size_t K, float out[MAX_M][8]) {
+INLINE void q4k_x8_zmm(const workspace *ws, int kind, const uint8_t *qs, const uint8_t *qh, const uint16_t *d,
+                       const uint16_t *dmin, const uint8_t *scales, size_t MC, size_t K, float out[MAX_M][8]) {
   size_t S = K / 256;
-  const __m512i low4 = _mm512_set1_epi8(15);
+  const int five = kind == Q5_KX8;
+  const __m512i low4 = _mm512_set1_epi8(15), bit4 = _mm512_set1_epi8(16), byte = _mm512_set1_epi32(0xFF);
   EIGHT(__m512, acc, _mm512_setzero_ps());
   EIGHT(__m256, off, _mm256_setzero_ps());
-  for (size_t s = 0; s < S; ++s, qs += 1024, scales += 96) {
+  for (size_t s = 0; s < S; ++s, qs += 1024, qh += five ? 256 : 0, scales += 96) {
     __m256i sc[2], mn[2];
     k4_scales_x8(scales, sc, mn);
     const __m512i sc2[2] = {pair_words(sc[0]), pair_words(sc[1])}, mn2[2] = {pair_words(mn[0]), pair_words(mn[1])};
@@ -1378,8 +1389,15 @@ INLINE void q4k_x8_zmm(const workspace *ws, const uint8_t *qs, const uint16_t *d
         __m512i v = pair_chunks(_mm512_loadu_si512(chunk + 64 * j));
         lo[j] = _mm512_and_si512(v, low4);
         hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        if (five) {  // bits 2c and 2c + 1 of qh's bytes (its chunks 2j, 2j + 1 as qs's) to bit 4: a | (b & c)
+          __m512i h = _mm512_srl_epi16(pair_chunks(_mm512_loadu_si512(qh + 64 * j)), _mm_cvtsi32_si128((int)(2 * c)));
+          lo[j] = _mm512_ternarylogic_epi32(lo[j], _mm512_slli_epi16(h, 4), bit4, 0xF8);
+          hi[j] = _mm512_ternarylogic_epi32(hi[j], _mm512_slli_epi16(h, 3), bit4, 0xF8);
+        }
       }
-      __m512i scale_lo = byte_of_words(sc2[c / 2], (int)(2 * c % 4)), scale_hi = byte_of_words(sc2[c / 2], (int)(2 * c % 4 + 1));
+      // the scales of sub-blocks 2c and 2c + 1: bytes 2 (c % 2) and 2 (c % 2) + 1 of the rows' words c / 2
+      const __m512i words = _mm512_srlv_epi32(sc2[c / 2], _mm512_set1_epi32((int)(16 * (c % 2))));
+      const __m512i scale_lo = _mm512_and_si512(words, byte), scale_hi = _mm512_and_si512(_mm512_srli_epi32(words, 8), byte);
 #define ROW(i)                                                                                                 \
   if (i < MC) {                                                                                                \
     const int8_t *xq = ws->q + i * K + 256 * s + 64 * c; /* sub-block 2c, then 2c + 1 */                       \
@@ -1415,12 +1433,195 @@ INLINE void q4k_x8_zmm(const workspace *ws, const uint8_t *qs, const uint16_t *d
 #define Q4K_X8_LOOP q4k_x8
 #endif
 
-#define Q4K_X8_AT(MC) /* as Q4_X8_AT */                                                                         \
-  NOINLINE void q4k_x8_##MC(const workspace *ws, const uint8_t *qs, const uint16_t *d, const uint16_t *dmin,  \
-                            const uint8_t *scales, size_t K, float out[MAX_M][8]) {                             \
-    Q4K_X8_LOOP(ws, qs, d, dmin, scales, MC, K, out);                                                           \
+#define Q4K_X8_AT(MC) /* as Q4_X8_AT, a function for each type */                                            \
+  NOINLINE void q4k_x8_##MC(const workspace *ws, int kind, const uint8_t *qs, const uint8_t *qh,              \
+                            const uint16_t *d, const uint16_t *dmin, const uint8_t *scales, size_t K,         \
+                            float out[MAX_M][8]) {                                                            \
+    if (kind == Q5_KX8)                                                                                       \
+      Q4K_X8_LOOP(ws, Q5_KX8, qs, qh, d, dmin, scales, MC, K, out);                                           \
+    else                                                                                                      \
+      Q4K_X8_LOOP(ws, Q4_KX8, qs, 0, d, dmin, scales, MC, K, out);                                            \
   }
 FOR_EACH_ROW_COUNT(Q4K_X8_AT)
+
+// Q6_K with rows interleaved eight at a time (Q6_KX8): per group of eight rows and super-block, ql
+// is 32 chunks of 32 bytes (chunk m: bytes 4m .. 4m + 3 of the eight rows' 128), qh 16 chunks of
+// the rows' 64 bytes, the scales 4 chunks of their 16 (lane r of chunk t: row r's scales 4t ..
+// 4t + 3), and d the rows' values side by side. Value group g of 32 (half h = g / 4, k = g % 4;
+// see dequant.py's _q6_k) lies in the low (k < 2) or high nibbles of ql's chunks 16h + 8 (k % 2)
+// .. + 7, its top two bits in bits 2k and 2k + 1 of qh's chunks 8h .. 8h + 7. Values are biased by
+// 32: x's sums of 16 times the scales take it off, per row of x and super-block.
+
+// Each 16-bit half of each 32-bit lane of v's result: byte b of the lane, sign-extended.
+INLINE __m256i sbyte_in_halves(__m256i v, int b) {
+  const __m128i at = _mm_setr_epi8(-1, (char)b, -1, (char)b, -1, (char)(4 + b), -1, (char)(4 + b), -1, (char)(8 + b),
+                                   -1, (char)(8 + b), -1, (char)(12 + b), -1, (char)(12 + b));
+  return _mm256_srai_epi16(_mm256_shuffle_epi8(v, _mm256_setr_m128i(at, at)), 8);
+}
+
+// Bytes b and b + 1 of each 32-bit lane of v in its low and high 16 bits, sign-extended.
+INLINE __m256i sbyte_pairs(__m256i v, int b) {
+  const __m128i at = _mm_setr_epi8(-1, (char)b, -1, (char)(b + 1), -1, (char)(4 + b), -1, (char)(5 + b), -1,
+                                   (char)(8 + b), -1, (char)(9 + b), -1, (char)(12 + b), -1, (char)(13 + b));
+  return _mm256_srai_epi16(_mm256_shuffle_epi8(v, _mm256_setr_m128i(at, at)), 8);
+}
+
+// Rows 0..7 of a Q6_KX8 group times MC rows of x (quantized per 256 values in ws): out[i][r]. Per
+// sub-block of 16 values and row of x, 4 `maddubs` and adds in 16 bits (at most 2 * 2 * 63 * 127
+// before each `madd` by the scales), as q4k_x8.
+INLINE void q6k_x8(const workspace *ws, const uint8_t *ql, const uint8_t *qh, const uint16_t *d,
+                   const uint8_t *scales, size_t MC, size_t K, float out[MAX_M][8]) {
+  size_t S = K / 256;
+  const __m256i low4 = _mm256_set1_epi8(15), top2 = _mm256_set1_epi8(0x30);
+  EIGHT(__m256, acc, _mm256_setzero_ps());
+  for (size_t s = 0; s < S; ++s, ql += 1024, qh += 512, scales += 128) {
+    const __m256i sc[4] = {load32(scales), load32(scales + 32), load32(scales + 64), load32(scales + 96)};
+    EIGHT(__m256i, si, _mm256_setzero_si256());
+#pragma GCC unroll 16  // so that the shifts by k are constants
+    for (size_t j = 0; j < 16; ++j) {  // sub-block j: the first or second half (j % 2) of value group j / 2
+      const size_t g = j / 2, k = g % 4;
+      const uint8_t *lq = ql + 512 * (g / 4) + 256 * (k % 2) + 128 * (j % 2), *hq = qh + 256 * (g / 4) + 128 * (j % 2);
+      for (size_t line = 0; line < 128; line += 64) {
+        if (k < 2) PREFETCH_TWO_STEPS(lq + line);  // ql's chunks serve k and k + 2
+        if (k == 0) PREFETCH_TWO_STEPS(hq + line);
+      }
+      const __m256i scale = sbyte_in_halves(sc[j / 4], (int)(j % 4));
+      EIGHT(__m256i, s16, _mm256_setzero_si256());
+      for (size_t l = 0; l < 4; ++l) {
+        __m256i v = load32(lq + 32 * l);
+        __m256i q = _mm256_and_si256(k < 2 ? v : _mm256_srli_epi16(v, 4), low4);
+        __m256i t = load32(hq + 32 * l);  // bits 2k, 2k + 1 to 4, 5
+        __m256i top = k < 2 ? _mm256_slli_epi16(t, (int)(4 - 2 * k)) : _mm256_srli_epi16(t, (int)(2 * k - 4));
+        q = _mm256_or_si256(q, _mm256_and_si256(top, top2));
+#define ROW(i)                                                                                 \
+  if (i < MC) {                                                                                \
+    const int8_t *xq = ws->q + i * K + 256 * s + 16 * j + 4 * l;                               \
+    s16##i = _mm256_add_epi16(s16##i, _mm256_maddubs_epi16(q, broadcast4(xq)));                \
+    __asm__("" : "+x"(s16##i)); /* as in q4_x8 */                                              \
+  }
+        ROWS_OF_X(ROW)
+#undef ROW
+        if (l & 1) {
+#define ROW(i)                                                              \
+  if (i < MC) {                                                             \
+    si##i = _mm256_add_epi32(si##i, _mm256_madd_epi16(s16##i, scale));     \
+    s16##i = _mm256_setzero_si256();                                        \
+  }
+          ROWS_OF_X(ROW)
+#undef ROW
+        }
+      }
+    }
+    __m256i sp[8];  // lane r: row r's scales of sub-blocks 2p and 2p + 1, for x's two sums of 16
+    for (size_t p = 0; p < 8; ++p) sp[p] = sbyte_pairs(sc[p / 2], (int)(2 * (p % 2)));
+    __m256 dv = halves8(d + 8 * s);
+#define ROW(i)                                                                                                   \
+  if (i < MC) {                                                                                                  \
+    const int16_t *bs = ws->bs + i * (K / 16) + 16 * s;                                                          \
+    __m256i bias = _mm256_setzero_si256();                                                                       \
+    for (size_t p = 0; p < 8; ++p) {                                                                             \
+      int32_t pair;                                                                                              \
+      __builtin_memcpy(&pair, bs + 2 * p, 4);                                                                    \
+      bias = _mm256_add_epi32(bias, _mm256_madd_epi16(sp[p], _mm256_set1_epi32(pair)));                          \
+    }                                                                                                            \
+    __m256i total = _mm256_sub_epi32(si##i, _mm256_slli_epi32(bias, 5));                                         \
+    acc##i = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(dv, _mm256_broadcast_ss(ws->xd + i * S + s)), \
+                             acc##i);                                                                            \
+  }
+    ROWS_OF_X(ROW)
+#undef ROW
+  }
+  SUMS_ARRAY(__m256, acc);
+  group_outputs(acc, MC, out);
+}
+
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// Q6_KX8 with AVX-512 VNNI, as q4k_x8_zmm: a sub-block's 16 values meet a row of x in two
+// `vpdpbusd`, its sums multiplied by the rows' (signed) scales in 32 bits, and x's sums of 16
+// meet the scales in one `vpdpwssd` per four sub-blocks.
+#define Q6K_X8_LOOP q6k_x8_zmm
+
+// Byte b of each 32-bit lane of v, sign-extended.
+INLINE __m512i sbyte_of_words(__m512i v, int b) {
+  return _mm512_srai_epi32(_mm512_sllv_epi32(v, _mm512_set1_epi32(24 - 8 * b)), 24);
+}
+
+// From the pair lanes of the rows' scales 4t .. 4t + 3: even lanes scales 4t and 4t + 1, odd lanes
+// 4t + 2 and 4t + 3, each sign-extended to 16 bits (for x's sums of 16 broadcast8 lays out so).
+INLINE __m512i scale_pairs(__m512i v) {
+  const __m512i at = _mm512_set4_epi32((int)0x0F800E80, (int)0x09800880, (int)0x07800680, (int)0x01800080);
+  return _mm512_srai_epi16(_mm512_shuffle_epi8(v, at), 8);
+}
+
+INLINE void q6k_x8_zmm(const workspace *ws, const uint8_t *ql, const uint8_t *qh, const uint16_t *d,
+                       const uint8_t *scales, size_t MC, size_t K, float out[MAX_M][8]) {
+  size_t S = K / 256;
+  const __m512i low4 = _mm512_set1_epi8(15), top2 = _mm512_set1_epi8(0x30);
+  EIGHT(__m512, acc, _mm512_setzero_ps());
+  EIGHT(__m256, off, _mm256_setzero_ps());
+  for (size_t s = 0; s < S; ++s, ql += 1024, qh += 512, scales += 128) {
+    const __m512i sc[4] = {pair_words(load32(scales)), pair_words(load32(scales + 32)),
+                           pair_words(load32(scales + 64)), pair_words(load32(scales + 96))};
+    EIGHT(__m512i, si, _mm512_setzero_si512());
+    for (size_t h = 0; h < 2; ++h) {  // each half's qh and ql chunks are loaded once, for its four value groups
+      __m512i top[4];
+      for (size_t line = 0; line < 256; line += 64) PREFETCH_TWO_STEPS(qh + 256 * h + line);
+      for (size_t j = 0; j < 4; ++j) top[j] = pair_chunks(_mm512_loadu_si512(qh + 256 * h + 64 * j));
+      for (size_t odd = 0; odd < 2; ++odd) {  // value groups 4h + odd (low nibbles) and 4h + odd + 2 (high)
+        const uint8_t *lq = ql + 512 * h + 256 * odd;
+        for (size_t line = 0; line < 256; line += 64) PREFETCH_TWO_STEPS(lq + line);
+        __m512i v[4];
+        for (size_t j = 0; j < 4; ++j) v[j] = pair_chunks(_mm512_loadu_si512(lq + 64 * j));
+#pragma GCC unroll 2
+        for (size_t k = odd; k < 4; k += 2) {  // so that the shifts by k are constants
+          const size_t g = 4 * h + k;
+          __m512i w[4];
+          for (size_t j = 0; j < 4; ++j) {  // v's nibbles | bits 2k, 2k + 1 of top at bits 4, 5
+            __m512i t = k < 2 ? _mm512_slli_epi16(top[j], (int)(4 - 2 * k)) : _mm512_srli_epi16(top[j], (int)(2 * k - 4));
+            w[j] = _mm512_ternarylogic_epi32(_mm512_and_si512(k < 2 ? v[j] : _mm512_srli_epi16(v[j], 4), low4), t,
+                                             top2, 0xF8);
+          }
+          const __m512i scale_a = sbyte_of_words(sc[g / 2], (int)(2 * (g % 2)));
+          const __m512i scale_b = sbyte_of_words(sc[g / 2], (int)(2 * (g % 2) + 1));
+#define ROW(i)                                                                                                 \
+  if (i < MC) {                                                                                                \
+    const int8_t *xq = ws->q + i * K + 256 * s + 32 * g;                                                       \
+    __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], broadcast8(xq));                             \
+    __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[2], broadcast8(xq + 16));                        \
+    a = _mm512_dpbusd_epi32(a, w[1], broadcast8(xq + 8));                                                      \
+    b = _mm512_dpbusd_epi32(b, w[3], broadcast8(xq + 24));                                                     \
+    si##i = _mm512_add_epi32(si##i, _mm512_add_epi32(_mm512_mullo_epi32(a, scale_a), _mm512_mullo_epi32(b, scale_b))); \
+  }
+          ROWS_OF_X(ROW)
+#undef ROW
+        }
+      }
+    }
+    const __m512i sp[4] = {scale_pairs(sc[0]), scale_pairs(sc[1]), scale_pairs(sc[2]), scale_pairs(sc[3])};
+    __m512 dv = pair_scales(halves8(d + 8 * s));
+#define ROW(i)                                                                                                 \
+  if (i < MC) {                                                                                                \
+    const int8_t *bs = (const int8_t *)(ws->bs + i * (K / 16) + 16 * s); /* 4 sums of 16 per 4 sub-blocks */   \
+    __m512i bias = _mm512_dpwssd_epi32(_mm512_setzero_si512(), sp[0], broadcast8(bs));                         \
+    for (size_t t = 1; t < 4; ++t) bias = _mm512_dpwssd_epi32(bias, sp[t], broadcast8(bs + 8 * t));            \
+    __m512i total = _mm512_sub_epi32(si##i, _mm512_slli_epi32(bias, 5));                                       \
+    acc##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(dv, _mm512_set1_ps(ws->xd[i * S + s])), acc##i); \
+  }
+    ROWS_OF_X(ROW)
+#undef ROW
+  }
+  PAIR_OUTPUTS;
+}
+#else
+#define Q6K_X8_LOOP q6k_x8
+#endif
+
+#define Q6K_X8_AT(MC) /* as Q4_X8_AT */                                                                        \
+  NOINLINE void q6k_x8_##MC(const workspace *ws, const uint8_t *ql, const uint8_t *qh, const uint16_t *d,     \
+                            const uint8_t *scales, size_t K, float out[MAX_M][8]) {                           \
+    Q6K_X8_LOOP(ws, ql, qh, d, scales, MC, K, out);                                                           \
+  }
+FOR_EACH_ROW_COUNT(Q6K_X8_AT)
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 // The K-quants a row at a time with AVX-512 VNNI (q4k_row's, q6k_row's and q23k_row's sums): a
@@ -1594,10 +1795,18 @@ INLINE void some_rows(int kind, workspace *ws, const float *x, const matrix *w, 
     f16_rows(kind == BF16, x, (const uint16_t *)w->qs + n * K, mc, K, out, 0);
     return;
   }
-  if (kind == Q4_KX8) {  // the group's planes start where row n's would
+  if (K4_X8_KIND(kind)) {  // the group's planes start where row n's would
     size_t S = K / 256;
-#define ROW(MC) AT_ROWS(q4k_x8, MC)(ws, (const uint8_t *)w->qs + n * (K / 2), w->d + n * S, w->m + n * S, \
-                                     w->s + n * S * 12, K, out)
+#define ROW(MC) AT_ROWS(q4k_x8, MC)(ws, kind, (const uint8_t *)w->qs + n * (K / 2), w->h ? w->h + n * (K / 8) : 0, \
+                                     w->d + n * S, w->m + n * S, w->s + n * S * 12, K, out)
+    FOR_CONSTANT_MC(mc, ROW)
+#undef ROW
+    return;
+  }
+  if (kind == Q6_KX8) {
+    size_t S = K / 256;
+#define ROW(MC) AT_ROWS(q6k_x8, MC)(ws, (const uint8_t *)w->qs + n * (K / 2), w->h + n * (K / 4), w->d + n * S, \
+                                     w->s + n * S * 16, K, out)
     FOR_CONSTANT_MC(mc, ROW)
 #undef ROW
     return;
@@ -1827,6 +2036,10 @@ INLINE void matvec(int kind, int op, const float *x, const float *g, float eps, 
 #define MAT_Q2_K MAT_Q4_K
 #define ARGS_Q5_1(p) ARGS_Q4_1(p), MEMREF(const uint8_t, p##qh)
 #define MAT_Q5_1(p, rows) {BASE(p##qs), BASE(p##d), BASE(p##m), rows, BASE(p##qh), 0}
+#define ARGS_Q5_KX8 ARGS_Q5_K
+#define MAT_Q5_KX8 MAT_Q5_K
+#define ARGS_Q6_KX8 ARGS_Q6_K
+#define MAT_Q6_KX8 MAT_Q6_K
 #define ARGS_Q5_1X8 ARGS_Q5_1
 #define MAT_Q5_1X8 MAT_Q5_1
 #define ARGS_BF16 ARGS_F16
@@ -1885,6 +2098,8 @@ DEFINE_KERNELS(Q3_K, q3_k)
 DEFINE_KERNELS(Q2_K, q2_k)
 DEFINE_KERNELS(Q5_1, q5_1)
 DEFINE_KERNELS(Q5_1X8, q5_1x8)
+DEFINE_KERNELS(Q5_KX8, q5_kx8)
+DEFINE_KERNELS(Q6_KX8, q6_kx8)
 #undef X_ARG
 #undef NORM_ARG
 #undef N_ARGS

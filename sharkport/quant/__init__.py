@@ -109,7 +109,7 @@ BLOCK_TYPES: dict[str, BlockType] = {
 
 SUPPORTED_TYPES = tuple(PLAIN_TYPES) + tuple(BLOCK_TYPES)
 
-ROW_INTERLEAVED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K")
+ROW_INTERLEAVED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 INTERLEAVED_ROWS = 8
 
 
