@@ -1276,6 +1276,19 @@ INLINE __m256i byte_in_halves(__m256i v, int k) {
   return _mm256_shuffle_epi8(v, _mm256_setr_m128i(at, at));
 }
 
+// The AVX2 eight-row K-quant loops' steps for row i of x: a chunk's values q times x's four at xq
+// as 16-bit pair sums into s16_i, and s16_i times the rows' scales into 32 bits in si_i.
+#define K_X8_PAIR_SUMS(i, xq)                                                   \
+  if (i < MC) {                                                                 \
+    s16##i = _mm256_add_epi16(s16##i, _mm256_maddubs_epi16(q, broadcast4(xq))); \
+    __asm__("" : "+x"(s16##i)); /* as in q4_x8 */                               \
+  }
+#define K_X8_SCALED(i, scale)                                          \
+  if (i < MC) {                                                        \
+    si##i = _mm256_add_epi32(si##i, _mm256_madd_epi16(s16##i, scale)); \
+    s16##i = _mm256_setzero_si256();                                   \
+  }
+
 // Rows 0..7 of a Q4_KX8 or Q5_KX8 group times MC rows of x (quantized per 256 values in ws):
 // out[i][r]. Q5_K's qh is interleaved as qs: its chunk l holds the fifth bits of the values of
 // qs's chunks l, 8 + l, 16 + l and 24 + l (bit k: sub-block k's), and with values to 31 a
@@ -1304,20 +1317,11 @@ INLINE void q4k_x8(const workspace *ws, int kind, const uint8_t *qs, const uint8
           h = k < 4 ? _mm256_slli_epi16(h, (int)(4 - k)) : _mm256_srli_epi16(h, (int)(k - 4));
           q = _mm256_or_si256(q, _mm256_and_si256(h, bit4));
         }
-#define ROW(i)                                                                                 \
-  if (i < MC) {                                                                                \
-    const int8_t *xq = ws->q + i * K + 256 * s + 32 * k + 4 * l;                               \
-    s16##i = _mm256_add_epi16(s16##i, _mm256_maddubs_epi16(q, broadcast4(xq)));                \
-    __asm__("" : "+x"(s16##i)); /* as in q4_x8 */                                              \
-  }
+#define ROW(i) K_X8_PAIR_SUMS(i, ws->q + i * K + 256 * s + 32 * k + 4 * l)
         ROWS_OF_X(ROW)
 #undef ROW
         if (l == 7 || (five && l == 3)) {  // at most 8 * 2 * 15 * 127, or 4 * 2 * 31 * 127
-#define ROW(i)                                                              \
-  if (i < MC) {                                                             \
-    si##i = _mm256_add_epi32(si##i, _mm256_madd_epi16(s16##i, scale));     \
-    s16##i = _mm256_setzero_si256();                                        \
-  }
+#define ROW(i) K_X8_SCALED(i, scale)
           ROWS_OF_X(ROW)
 #undef ROW
         }
@@ -1493,20 +1497,11 @@ INLINE void q6k_x8(const workspace *ws, const uint8_t *ql, const uint8_t *qh, co
         __m256i t = load32(hq + 32 * l);  // bits 2k, 2k + 1 to 4, 5
         __m256i top = k < 2 ? _mm256_slli_epi16(t, (int)(4 - 2 * k)) : _mm256_srli_epi16(t, (int)(2 * k - 4));
         q = _mm256_or_si256(q, _mm256_and_si256(top, top2));
-#define ROW(i)                                                                                 \
-  if (i < MC) {                                                                                \
-    const int8_t *xq = ws->q + i * K + 256 * s + 16 * j + 4 * l;                               \
-    s16##i = _mm256_add_epi16(s16##i, _mm256_maddubs_epi16(q, broadcast4(xq)));                \
-    __asm__("" : "+x"(s16##i)); /* as in q4_x8 */                                              \
-  }
+#define ROW(i) K_X8_PAIR_SUMS(i, ws->q + i * K + 256 * s + 16 * j + 4 * l)
         ROWS_OF_X(ROW)
 #undef ROW
         if (l & 1) {
-#define ROW(i)                                                              \
-  if (i < MC) {                                                             \
-    si##i = _mm256_add_epi32(si##i, _mm256_madd_epi16(s16##i, scale));     \
-    s16##i = _mm256_setzero_si256();                                        \
-  }
+#define ROW(i) K_X8_SCALED(i, scale)
           ROWS_OF_X(ROW)
 #undef ROW
         }
