@@ -92,10 +92,10 @@ def test_kernel_decode_agrees_with_transformers_but_at_near_ties(gemma3_irpa, ge
     multiplies them by x quantized per block of 32 (per 256 for the K-quants), as llama.cpp does,
     and its local layers attend within their window in the kernel. Teacher-forced on
     transformers' own greedy continuations, its top token is transformers' at 90% of the positions
-    or more (91 of 96), and where it is not, transformers' top two were within 0.25 of each other:
-    the quantized activations and the float16 cache move the logits by about 0.5, so a near tie
-    can go either way (with transformers' linear inputs quantized as the kernels quantize them,
-    92 of 96 agree)."""
+    or more, and where it is not, transformers' top two were within 0.5 of each other: the
+    quantized activations and the float16 cache move the logits by about 0.5, and as the quantized
+    activations jump at rounding boundaries, a summation order alone moves them by up to about 1
+    (docs/verify.md), so a near tie can go either way."""
     import numpy as np
 
     hf, tok = gemma3_hf
@@ -116,7 +116,7 @@ def test_kernel_decode_agrees_with_transformers_but_at_near_ties(gemma3_irpa, ge
                 agree += 1
             else:
                 margin = top2[1] - top2[0]
-                assert margin < 0.25, f"{prompt!r}, position {t}: transformers' top two {margin:.3f} apart"
+                assert margin < 0.5, f"{prompt!r}, position {t}: transformers' top two {margin:.3f} apart"
     assert agree >= 0.90 * positions, f"top-1 agrees at {agree} of {positions} positions"
 
 
