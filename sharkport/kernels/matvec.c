@@ -1,7 +1,7 @@
 // Matrix-vector products that read weights as stored (sharkport.kernels): y[m, n] = sum_k
 // x[m, k] * w[n, k] for a few rows m of float32 activations, with w in ggml's Q8_0, Q4_0, Q4_1,
-// Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K planes (see sharkport.quant; Q8_0, Q4, Q5 and Q4_K
-// also with rows interleaved eight at a time, see q4_x8, q8_x8 and q4k_x8) or in float16 or
+// Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K planes (see sharkport.quant; all but Q2_K and Q3_K
+// also with rows interleaved eight at a time, see q4_x8, q8_x8, q4k_x8 and q6k_x8) or in float16 or
 // bfloat16. Compiled by the system C compiler into an object that iree-compile links into the
 // module (an IREE "custom dispatch"), so it must stay freestanding: no libc, no globals, no
 // thread-local state.
