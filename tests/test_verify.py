@@ -1,5 +1,6 @@
 """verify: passes a compiled tiny llama against its eager recipe and transformers, and fails it
-against a different transformers model (slow: uses the compiled tiny modules)."""
+against a different transformers model; passes SmolLM2 Q4_1 exported with the kernels and fails
+it against transformers reading the same GGUF with two layers swapped (slow: compiled modules)."""
 
 import re
 
@@ -15,14 +16,23 @@ def token_ids(n: int, seed: int) -> str:
     return ",".join(str(t) for t in np.random.default_rng(seed).integers(0, 256, n))
 
 
+ROW = re.compile(r"^(\w+ vs \w+)\s+(\d+)\s+(\S+)\s+(\S+)\s+(\d+)/\d+\s+(\d+)/(\d+)\s+\(.*\)\s+(PASS|FAIL)$", re.M)
+
+
+def table(out: str) -> dict[str, tuple]:
+    """verify's rows: name -> (positions, max |diff|, in sigmas, top-1 agreeing, decisive positions,
+    agreeing of those, verdict)."""
+    return {m[1]: (int(m[2]), float(m[3]), float(m[4]), int(m[5]), int(m[7]), int(m[6]), m[8])
+            for m in ROW.finditer(out)}
+
+
 def run_verify(compiled, hf_dir, capsys):
     vmfb, irpa, config = compiled
     status = verify.main(["--vmfb", str(vmfb), "--irpa-file", str(irpa), "--config", str(config),
                           "--token-ids", token_ids(5, 0), "--token-ids", token_ids(40, 1),
                           "--model-dir", str(hf_dir), "--max-new-tokens", "6"])
     out = capsys.readouterr().out
-    rows = {m[1]: (int(m[2]), float(m[3]), int(m[4]), m[5])
-            for m in re.finditer(r"^(\w+ vs \w+)\s+(\d+)\s+(\S+)\s+(\d+)/\d+\s+\(.*\)\s+(PASS|FAIL)$", out, re.M)}
+    rows = {name: (r[0], r[1], r[3], r[6]) for name, r in table(out).items()}
     return status, rows, out
 
 
@@ -58,7 +68,7 @@ def test_float16_cache_module_passes_within_its_rounding(tiny, irpa_of, tmp_path
     compile_mlir(tmp_path / "m.mlir", tmp_path / "m.vmfb")
     status, rows, out = run_verify((tmp_path / "m.vmfb", irpa_of("gqa-untied"), tmp_path / "m.json"),
                                    tiny["gqa-untied"].hf_dir, capsys)
-    assert status == 0 and out.rstrip().splitlines()[-1] == "PASS (atol 0.05, top-1 agreement >= 99%)"
+    assert status == 0 and out.rstrip().splitlines()[-1] == "PASS (atol 0.05, top-1 agreement >= 99%)", out
     diff = rows["eager vs transformers"][1]
     assert 1e-4 < diff < verify.ATOL["float16"], diff
 
@@ -86,3 +96,42 @@ def test_default_export_through_the_kernels_passes(tiny, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "exported with the x86-64 kernels" in text and "so do transformers' linear layers" in text, text
     assert status == 0, text
+
+
+@pytest.mark.skipif(not __import__("sharkport.kernels").kernels.available(), reason="no C compiler for the kernels")
+def test_real_model_with_kernels_passes_and_swapped_layers_fail(smollm2_gguf, smollm2_irpa, tmp_path, capsys):
+    """SmolLM2 Q4_1 exported with the kernels passes at verify's default bounds for such a module
+    (verify.SIGMAS, top-1 where transformers is decisive) against its recipe and transformers,
+    whose logits the 8-bit activations move by about 1.5 (more than any atol a float module
+    meets); transformers reading the same GGUF with layers 20 and 21's attn_v swapped fails."""
+    from real_models import compiled_module
+
+    from sharkport.archive import Dataset
+    from sharkport.export.abi import ExportConfig
+    from sharkport.formats.gguf_write import write_gguf
+    from sharkport.verify import ATOL, DECISIVE, SIGMAS, Tolerance
+
+    config = ExportConfig(bs_prefill=(1,), bs_decode=(1,), block_seq_stride=32, device_block_count=16,
+                          max_seq_len=512, matvec_kernels=True)
+    vmfb, irpa, config_json = compiled_module(smollm2_irpa, "smollm2-kernels", config)
+    swapped = Dataset.load(smollm2_gguf)
+    weights = swapped.theta._tensors
+    weights["blk.20.attn_v.weight"], weights["blk.21.attn_v.weight"] = \
+        weights["blk.21.attn_v.weight"], weights["blk.20.attn_v.weight"]
+    write_gguf(swapped, tmp_path / "swapped.gguf", progress=False)
+
+    runs = {}
+    for name, gguf in (("same", smollm2_gguf), ("swapped", tmp_path / "swapped.gguf")):
+        status = verify.main(["--vmfb", str(vmfb), "--irpa-file", str(irpa), "--config", str(config_json),
+                              "--prompt", "The capital of France is", "--prompt", "def fibonacci(n):",
+                              "--max-new-tokens", "24", "--gguf-file", str(gguf)])
+        out = capsys.readouterr().out
+        runs[name] = status, table(out), out
+    status, rows, out = runs["same"]
+    assert status == 0 and out.rstrip().endswith(f"({Tolerance(sigmas=SIGMAS, decisive=DECISIVE)})"), out
+    assert max(r[1] for r in rows.values()) > ATOL["float16"] * 10, out  # what an atol would fail
+    assert all(r[4] >= 10 for r in rows.values()), out  # decisive positions were counted
+    status, rows, out = runs["swapped"]
+    assert status == 1, out
+    assert rows["compiled vs eager"][6] == "PASS"
+    assert rows["compiled vs transformers"][6] == rows["eager vs transformers"][6] == "FAIL", out
