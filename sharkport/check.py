@@ -220,7 +220,7 @@ def expected_entries(layouts: dict[str, dict[str, Any]]) -> Iterator[tuple[str, 
                 yield name, plane_key(name, plane, "interleaved_rows" in layout), dtype.name, plane_shape
 
 
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1, "int32": 4}
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1, "int16": 2, "int32": 4}
 
 
 def check_entries(layouts: dict[str, dict[str, Any]], entries: dict[str, Any]) -> tuple[list[str], list[str]]:

@@ -178,16 +178,16 @@ class _Products(torch.nn.Module):
         return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
-ROW_KINDS = ["Q5_0", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "Q5_1"]
+ROW_KINDS = ["Q5_0", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "Q5_1", "IQ4_NL", "IQ4_XS"]
 
 
 @pytest.mark.parametrize("rows, n, k", [(1, 80, 512), (8, 83, 768), (4, 88, 768),
                                         pytest.param(3, 72, 256, marks=pytest.mark.extended)])
 def test_row_kernels_equal_gguf_dequantization(rows, n, k, isa, two_cpus, tmp_path):
-    """Q5_0, Q5_1 and the K-quants on random blocks: one, two or three super-blocks a row, 1, 3, 4
-    and 8 rows of x (each row count a loop of its own). Q5_0, Q5_1 and Q4_K are read interleaved
-    eight rows at a time where their rows are a multiple of 8 (80, 88, 72), else a row at a time
-    (83), as Q5_K, Q6_K, Q3_K and Q2_K always are."""
+    """Q5_0, Q5_1, the K-quants, IQ4_NL and IQ4_XS on random blocks: one, two or three
+    super-blocks a row, 1, 3, 4 and 8 rows of x (each row count a loop of its own). All but Q3_K
+    and Q2_K are read interleaved eight rows at a time where their rows are a multiple of 8 (80,
+    88, 72), else a row at a time (83), as Q3_K and Q2_K always are."""
     rng = np.random.default_rng(rows)
     raws = [_random_blocks(kind, n, k, rng) for kind in ROW_KINDS]
     weights = [weight_from_raw(kind, (n, k), raw) for kind, raw in zip(ROW_KINDS, raws)]
@@ -226,8 +226,8 @@ def test_x_per_256_is_llama_cpps_q8_k():
 
 def test_products_over_a_dynamic_row_count_equal_gguf_dequantization(isa, two_cpus, tmp_path):
     """Prefill's products: x of a dynamic row count, every kernel type in one module, run at 21
-    rows (two chunks of eight and five left) and at 3. Q8_0, Q4_1, Q5_0 and Q4_K of 80 rows go
-    interleaved, the others a row at a time. BF16 shares F16's loops but for its conversion, so it
+    rows (two chunks of eight and five left) and at 3. All but Q3_K and Q2_K go interleaved (80
+    rows), those two a row at a time. BF16 shares F16's loops but for its conversion, so it
     is tested here alone: at 3 rows its rows of w go two at a time, at 21 eight rows of x at a time."""
     rng = np.random.default_rng(0)
     n, k = 80, 512
@@ -771,6 +771,9 @@ Q4_K_M_LAYER = {"token_embd": "Q4_K", "output": "Q8_0", "attn_q": "Q4_K", "attn_
 # and at llama.cpp's Q2_K kinds (Q2_K, with Q3_K attn_v, attn_output and ffn_down, a Q6_K output)
 Q2_K_LAYER = {"token_embd": "Q2_K", "output": "Q6_K", "attn_q": "Q2_K", "attn_k": "Q2_K", "attn_v": "Q3_K",
               "attn_output": "Q3_K", "ffn_gate": "Q2_K", "ffn_up": "Q2_K", "ffn_down": "Q3_K"}
+# and of an IQ4_XS file (IQ4_XS, with IQ4_NL where llama.cpp falls back to it, a Q6_K output)
+IQ4_XS_LAYER = {"token_embd": "IQ4_XS", "output": "Q6_K", "attn_q": "IQ4_XS", "attn_k": "IQ4_XS", "attn_v": "IQ4_NL",
+                "attn_output": "IQ4_NL", "ffn_gate": "IQ4_XS", "ffn_up": "IQ4_XS", "ffn_down": "IQ4_XS"}
 
 
 def _k_quant_layer(tmp_path, kinds: dict[str, str] = Q4_K_M_LAYER):
@@ -860,11 +863,15 @@ def test_norms_of_layers_of_mixed_types_go_inside_the_products(tmp_path):
     assert "torch.aten.mean" not in text and "sharkport_rms_norm" not in text
 
 
-def test_q2_k_layer_through_the_compiled_kernels_computes_as_transformers(tmp_path):
-    """_k_quant_layer at llama.cpp's Q2_K kinds (Q2_K and Q3_K matrices, a Q6_K output), exported
-    with the kernels and compiled: prefill of 20 tokens over two pages, then 6 teacher-forced decode
-    steps. Each position's logits are transformers' over the same GGUF with each linear layer's
-    input quantized as the kernels quantize it (per 256 values), as in
+@pytest.mark.parametrize("kinds, kernels_called", [
+    (Q2_K_LAYER, ("matvec_swiglu_norm_q2_k", "matvec_add_q3_k", "matvec_norm_q6_kx8")),
+    (IQ4_XS_LAYER, ("matvec_swiglu_norm_iq4_xsx8", "matvec_add_iq4_nlx8", "matvec_norm_q6_kx8"))], ids=["Q2_K", "IQ4_XS"])
+def test_layer_through_the_compiled_kernels_computes_as_transformers(kinds, kernels_called, tmp_path):
+    """_k_quant_layer at llama.cpp's Q2_K kinds (Q2_K and Q3_K matrices, a Q6_K output) and at an
+    IQ4_XS file's (IQ4_XS and IQ4_NL), exported with the kernels and compiled: prefill of 20 tokens
+    over two pages, then 6 teacher-forced decode steps. Each position's logits are transformers'
+    over the same GGUF with each linear layer's input quantized as the kernels quantize it (per 256
+    values for the K-quants, per 32 for the rest), as in
     test_transformers_quantizes_each_linear_input_as_the_kernels."""
     from transformers import AutoModelForCausalLM
 
@@ -873,13 +880,13 @@ def test_q2_k_layer_through_the_compiled_kernels_computes_as_transformers(tmp_pa
     from sharkport.export import export_model, save_export
     from sharkport.runtime.session import IreeSession
 
-    gguf_path, irpa = _k_quant_layer(tmp_path, Q2_K_LAYER)
+    gguf_path, irpa = _k_quant_layer(tmp_path, kinds)
     dataset = Dataset.load(irpa)
     config = dataclasses.replace(TINY_EXPORT, matvec_kernels=True)
     output, service = export_model(dataset, config, exact_cache(config.block_seq_stride))
     save_export(output, service, tmp_path / "m.mlir", tmp_path / "m.json")
     text = (tmp_path / "m.mlir").read_text()
-    for name in ("matvec_swiglu_norm_q2_k", "matvec_add_q3_k", "matvec_norm_q6_kx8"):
+    for name in kernels_called:
         assert re.search(rf"@sharkport_{name}\(", text), f"{name} is not called"
     compile_mlir(tmp_path / "m.mlir", tmp_path / "m.vmfb")
     session = IreeSession(tmp_path / "m.vmfb", irpa, tmp_path / "m.json", pages=TINY_EXPORT.device_block_count)

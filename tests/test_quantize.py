@@ -89,7 +89,7 @@ def test_type_map_first_match_wins(f16_model, tmp_path):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--type", "q3_k"], "cannot quantize to that type (K-quants can be read and run, not yet written)"),
+    (["--type", "q3_k"], "cannot quantize to that type (K-quants and IQ4 types can be read and run, not yet written)"),
     (["--type", "q9"], "--type 'q9': cannot quantize to that type; choose one of q8_0"),
     (["--type-map", "(=q8_0"], "is not a valid regular expression"),
     (["--type-map", "q8_0"], "expected 'REGEX=TYPE'"),

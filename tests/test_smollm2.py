@@ -115,3 +115,32 @@ def test_quickstart_runs_clean(tmp_path):
     output = proc.stdout + proc.stderr
     assert "Paris" in proc.stdout
     assert "warning" not in output.lower(), output
+
+
+def test_iq4_xs_file_runs_through_the_kernels_as_transformers(smollm2_gguf, tmp_path, capsys, monkeypatch):
+    """SmolLM2 made an IQ4_XS file by llama.cpp's own quantizer (as a hub file: its 576-wide
+    matrices fall back to IQ4_NL, ffn_down is IQ4_XS), imported, exported with the kernels (the
+    CLI's default) and compiled: its products read IQ4_NL and IQ4_XS as stored, and `verify` holds
+    the module to the eager recipe and to transformers reading the same file."""
+    pytest.importorskip("llama_cpp", reason="llama.cpp's quantizer: pip install -e '.[bench]'")
+    import re
+
+    monkeypatch.syspath_prepend(Path(__file__).resolve().parents[1] / "tools")
+    import llamacpp_reference
+    from run_cli import run
+
+    from sharkport.tools import verify
+
+    gguf = llamacpp_reference.quantized_gguf(smollm2_gguf, "iq4_xs", tmp_path / "gguf")
+    irpa, out = tmp_path / "m.irpa", tmp_path / "m"
+    run("sharkport", "import", "--gguf-file", str(gguf), "--output-irpa", str(irpa))
+    files = {k: out / f"m.{k}" for k in ("mlir", "json", "vmfb")}
+    run("sharkport.export", "--irpa-file", str(irpa), "--bs-prefill", "1", "--bs-decode", "1",
+        *(a for k in files for a in (f"--output-{'config' if k == 'json' else k}", str(files[k]))))
+    text = files["mlir"].read_text()
+    for kind in ("iq4_nlx8", "iq4_xsx8"):
+        assert re.search(rf"@sharkport_\w+_{kind}\(", text), f"no {kind} kernel is called"
+    status = verify.main(["--vmfb", str(files["vmfb"]), "--irpa-file", str(irpa), "--config", str(files["json"]),
+                          "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--max-new-tokens", "16",
+                          "--gguf-file", str(gguf)])
+    assert status == 0, capsys.readouterr().out

@@ -48,8 +48,8 @@ TYPES = ("f16", "q8_0", "q4_1", "q4_0", "q5_0", "bf16")
 DEFAULT_TYPES = TYPES[:5]
 # llama.cpp's own mixtures, as the files people download are made (a K-quant takes rows of 256
 # values: narrower matrices get the type llama.cpp falls back to, here Q5_0, Q5_1 and Q8_0 for
-# Q4_K, Q5_K and Q6_K, Q4_0 for Q2_K and Q3_K)
-MIXES = ("q4_k_m", "q5_k_m", "q6_k", "q3_k_m", "q2_k")
+# Q4_K, Q5_K and Q6_K, Q4_0 for Q2_K and Q3_K, IQ4_NL for IQ4_XS)
+MIXES = ("q4_k_m", "q5_k_m", "q6_k", "q3_k_m", "q2_k", "iq4_xs")
 
 
 class LlamaCppUnavailable(ImportError):
@@ -99,7 +99,8 @@ def quantized_gguf(source: Path, type_name: str, cache_dir: Path, threads: int =
     types = _types(llama_cpp)
     mixes = {"q4_k_m": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, "q5_k_m": llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_K_M,
              "q6_k": llama_cpp.LLAMA_FTYPE_MOSTLY_Q6_K,
-             "q3_k_m": llama_cpp.LLAMA_FTYPE_MOSTLY_Q3_K_M, "q2_k": llama_cpp.LLAMA_FTYPE_MOSTLY_Q2_K}
+             "q3_k_m": llama_cpp.LLAMA_FTYPE_MOSTLY_Q3_K_M, "q2_k": llama_cpp.LLAMA_FTYPE_MOSTLY_Q2_K,
+             "iq4_xs": llama_cpp.LLAMA_FTYPE_MOSTLY_IQ4_XS}
     if type_name not in types and type_name not in mixes:
         raise ValueError(f"unknown type {type_name!r}; choose from {', '.join([*types, *mixes])}")
     source = Path(source)

@@ -46,7 +46,7 @@ def _torch_names() -> dict[torch.dtype, str]:
     import torch
 
     return {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-            torch.int8: "int8", torch.uint8: "uint8", torch.int32: "int32"}
+            torch.int8: "int8", torch.uint8: "uint8", torch.int16: "int16", torch.int32: "int32"}
 
 
 @dataclass(frozen=True)

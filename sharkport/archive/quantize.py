@@ -31,7 +31,7 @@ def parse_type(text: str, flag: str = "--type") -> str:
     name = text.strip().upper()
     if name not in QUANTIZE_TYPES:
         known = ", ".join(t.lower() for t in QUANTIZE_TYPES)
-        k_hint = " (K-quants can be read and run, not yet written)" if name in BLOCK_TYPES else ""
+        k_hint = " (K-quants and IQ4 types can be read and run, not yet written)" if name in BLOCK_TYPES else ""
         raise SharkportError(f"{flag} {text!r}: cannot quantize to that type{k_hint}; choose one of {known}")
     return name
 

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="hand-written x86-64 kernels (AVX2; AVX-512 VNNI where the exporting CPU has it, "
                              "unless SHARKPORT_KERNEL_ISA=avx2), built by the system C compiler and linked by "
                              "iree-compile, for decode and prefill: products with Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q2_K/"
-                             "Q3_K/Q4_K/Q5_K/Q6_K/F16/BF16 weights read as stored (with quantized weights x is "
+                             "Q3_K/Q4_K/Q5_K/Q6_K/IQ4_NL/IQ4_XS/F16/BF16 weights read as stored (with quantized weights x is "
                              "quantized to 8 bits per block of 32 or 256, as llama.cpp does), so the module holds no float32 copy of them; "
                              "in decode a llama layer in one dispatch with its norms, rotary, the cache write and "
                              "attention over the pages; prefill's causal attention. Several times faster decode, "

@@ -39,10 +39,10 @@ SHARKTANK_TENSORS_KEY = "__SHARK_INFERENCE_TENSORS__"
 # (is_floating_point, is_signed, itemsize); tests check these against torch itself.
 DTYPES = {
     "float32": (True, True, 4), "float16": (True, True, 2), "bfloat16": (True, True, 2),
-    "int8": (False, True, 1), "uint8": (False, False, 1), "int32": (False, True, 4),
+    "int8": (False, True, 1), "uint8": (False, False, 1), "int16": (False, True, 2), "int32": (False, True, 4),
 }
 NUMPY_DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.dtype(np.int8): "int8",
-                     np.dtype(np.uint8): "uint8", np.dtype(np.int32): "int32"}
+                     np.dtype(np.uint8): "uint8", np.dtype(np.int16): "int16", np.dtype(np.int32): "int32"}
 
 
 def tensor_metadata(dtype: str, shape: tuple[int, ...]) -> str:

@@ -2,9 +2,9 @@
 products of decode and prefill, and their attention.
 
 `matvec.c` computes x [M, K] @ w[N, K].T reading w as stored: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
-Q2_K, Q3_K, Q4_K, Q5_K and Q6_K planes, float16 or bfloat16 (Q8_0, Q4, Q5, Q4_K, Q5_K and Q6_K
-matrices of a row count that is a multiple of 8 with their rows interleaved eight at a time, as
-archives hold them: quant.interleave_planes);
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS planes, float16 or bfloat16 (matrices of all
+but Q2_K and Q3_K of a row count that is a multiple of 8 with their rows interleaved eight at a
+time, as archives hold them: quant.interleave_planes);
 also q, k, v of one x in one dispatch (`matvec_qkv`), SwiGLU's silu(x gate^T) * (x up^T)
 (`swiglu`), each product optionally of x RMS-normalized first (`norm`) or, for one matrix, plus
 a residual (`residual`); decode attention over the paged cache with rotary and the new
@@ -14,8 +14,8 @@ K and V (`prefill_attention`), and a llama decode layer in one dispatch (`layer_
 other inside the dispatch.
 
 With quantized weights it multiplies 8-bit integers, as llama.cpp does on CPUs: x is quantized
-per block of 32 values as gguf's Q8_0 quantizer does, or for the K-quants per 256 values as
-llama.cpp's Q8_K, so the product is that of the dequantized weights with the dequantized x
+per block of 32 values as gguf's Q8_0 quantizer does (IQ4_NL and IQ4_XS too), or for the
+K-quants per 256 values as llama.cpp's Q8_K, so the product is that of the dequantized weights with the dequantized x
 (`quantized_x`), about 1e-3 relative from the float32 product. IREE 3.9 generates no code that
 multiplies by quantized weights at memory speed (docs/performance.md); the export swaps a model's
 layers for modules that call these functions (sharkport.export.kernels). Each function returns

@@ -34,7 +34,8 @@ ROW_QUANTUM, WORKGROUPS_PER_CPU, MAX_ROWS_PER_WORKGROUP = 32, 1, 4096
 PLANES = {"Q8_0": ("qs", "d"), "Q4_0": ("qs", "d"), "Q4_1": ("qs", "d", "m"), "F16": ("w",), "BF16": ("w",),
           "Q5_0": ("qs", "d", "qh"), "Q5_1": ("qs", "d", "m", "qh"), "Q4_K": ("qs", "d", "dmin", "scales"),
           "Q5_K": ("qs", "d", "dmin", "scales", "qh"), "Q6_K": ("ql", "d", "qh", "scales"),
-          "Q3_K": ("qs", "d", "hmask", "scales"), "Q2_K": ("qs", "d", "dmin", "scales")}
+          "Q3_K": ("qs", "d", "hmask", "scales"), "Q2_K": ("qs", "d", "dmin", "scales"),
+          "IQ4_NL": ("qs", "d"), "IQ4_XS": ("qs", "d", "scales_h", "scales_l")}
 FLOAT_KINDS = ("F16", "BF16")  # float weights: read as they are, x not quantized
 # a weight type -> its kernel's with interleaved rows
 INTERLEAVED = {kind: f"{kind}X8" for kind in ROW_INTERLEAVED_TYPES}
@@ -53,7 +54,9 @@ SIZES = {"Q8_0": ("mk", ("nk", 1), ("nk", 32), "mn"), "Q4_0": ("mk", ("nk", 2), 
          "Q5_K": ("mk", ("nk", 2), ("nk", 256), ("nk", 256), ("nk", 64, 3), ("nk", 8), "mn"),
          "Q6_K": ("mk", ("nk", 2), ("nk", 256), ("nk", 4), ("nk", 16), "mn"),
          "Q3_K": ("mk", ("nk", 4), ("nk", 256), ("nk", 8), ("nk", 64, 3), "mn"),
-         "Q2_K": ("mk", ("nk", 4), ("nk", 256), ("nk", 256), ("nk", 16), "mn")}
+         "Q2_K": ("mk", ("nk", 4), ("nk", 256), ("nk", 256), ("nk", 16), "mn"),
+         "IQ4_NL": ("mk", ("nk", 2), ("nk", 32), "mn"),
+         "IQ4_XS": ("mk", ("nk", 2), ("nk", 256), ("nk", 256), ("nk", 64), "mn")}
 SIZES["BF16"] = SIZES["F16"]
 SIZES.update({x8: SIZES[kind] for kind, x8 in INTERLEAVED.items()})
 

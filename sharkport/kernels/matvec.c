@@ -1,8 +1,8 @@
 // Matrix-vector products that read weights as stored (sharkport.kernels): y[m, n] = sum_k
 // x[m, k] * w[n, k] for a few rows m of float32 activations, with w in ggml's Q8_0, Q4_0, Q4_1,
-// Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K planes (see sharkport.quant; all but Q2_K and Q3_K
-// also with rows interleaved eight at a time, see q4_x8, q8_x8, q4k_x8 and q6k_x8) or in float16 or
-// bfloat16. Compiled by the system C compiler into an object that iree-compile links into the
+// Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL or IQ4_XS planes (see sharkport.quant; all but
+// Q2_K and Q3_K also with rows interleaved eight at a time, see q4_x8, q8_x8, q4k_x8, q6k_x8 and
+// iq4_x8) or in float16 or bfloat16. Compiled by the system C compiler into an object that iree-compile links into the
 // module (an IREE "custom dispatch"), so it must stay freestanding: no libc, no globals, no
 // thread-local state.
 //
@@ -260,13 +260,21 @@ INLINE size_t chunk_rows(size_t M, size_t m0, size_t K) {
 
 // Weight types: as stored (a w of a row count not a multiple of 8 is multiplied a row at a time;
 // Q2_K and Q3_K always are), and with rows interleaved eight at a time (the X8 types: q4_x8,
-// q8_x8, q4k_x8, q6k_x8).
+// q8_x8, q4k_x8, q6k_x8, iq4_x8).
 enum { Q8_0, Q4_0, Q4_1, Q4_0X8, Q4_1X8, Q8_0X8 };
 enum { F16 = Q8_0X8 + 1, Q5_0, Q4_K, Q6_K, Q5_0X8, Q5_K, Q4_KX8, BF16, Q3_K, Q2_K, Q5_1, Q5_1X8, Q5_KX8, Q6_KX8 };
+enum { IQ4_NL = Q6_KX8 + 1, IQ4_NLX8, IQ4_XS, IQ4_XSX8 };
 // the types q4_x8 reads, and all the interleaved ones
 #define Q4_X8_KIND(kind) ((kind) == Q4_0X8 || (kind) == Q4_1X8 || (kind) == Q5_0X8 || (kind) == Q5_1X8)
 #define K4_X8_KIND(kind) ((kind) == Q4_KX8 || (kind) == Q5_KX8)  // the types q4k_x8 reads
-#define X8_KIND(kind) (Q4_X8_KIND(kind) || (kind) == Q8_0X8 || K4_X8_KIND(kind) || (kind) == Q6_KX8)
+#define IQ4_X8_KIND(kind) ((kind) == IQ4_NLX8 || (kind) == IQ4_XSX8)  // the types iq4_x8 reads
+#define X8_KIND(kind) (Q4_X8_KIND(kind) || (kind) == Q8_0X8 || K4_X8_KIND(kind) || (kind) == Q6_KX8 || IQ4_X8_KIND(kind))
+// IQ4_NL and IQ4_XS: 4-bit indices into a table of signed values (IQ4_VALUES), x quantized per 32
+// values as for Q8_0; IQ4_XS's blocks of 32 take their scales from 6 bits each per 256 values
+#define IQ4_ROW_KIND(kind) ((kind) == IQ4_NL || (kind) == IQ4_XS)
+#define IQ4_XS_KIND(kind) ((kind) == IQ4_XS || (kind) == IQ4_XSX8)
+// row kinds whose values are signed, multiplied as Q8_0's (Q_STEP), without an offset
+#define SIGNED_VALUES(kind) ((kind) == Q8_0 || IQ4_ROW_KIND(kind))
 // Float weights (read as they are, x not quantized), and the weight types whose x is quantized per
 // 256 values (quantize_x_k).
 #define FLOAT_WEIGHTS(kind) ((kind) == F16 || (kind) == BF16)
@@ -283,25 +291,26 @@ enum { F16 = Q8_0X8 + 1, Q5_0, Q4_K, Q6_K, Q5_0X8, Q5_K, Q4_KX8, BF16, Q3_K, Q2_
 // plus 8 (4 bits) or plus 16 (5 bits).
 INLINE float offset_scale(int kind) { return kind == Q5_0 || kind == Q5_0X8 ? -16.0f : -8.0f; }
 
-INLINE void row_scales(workspace *ws, int kind, const uint16_t *d, const uint16_t *m, size_t MC, size_t B,
-                       float *off) {
+// Where dl is not null, it holds the blocks' scales as floats in place of d (IQ4_XS).
+INLINE void row_scales(workspace *ws, int kind, const uint16_t *d, const float *dl, const uint16_t *m, size_t MC,
+                       size_t B, float *off) {
   __m256 oacc[MC];
   for (size_t i = 0; i < MC; ++i) oacc[i] = _mm256_setzero_ps();
   size_t b = 0;
   for (; b + 8 <= B; b += 8) {
-    __m256 dv = halves8(d + b);
+    __m256 dv = dl ? _mm256_loadu_ps(dl + b) : halves8(d + b);
     __m256 ov = OFFSETS(kind) ? halves8(m + b) : _mm256_mul_ps(dv, _mm256_set1_ps(offset_scale(kind)));
     for (size_t i = 0; i < MC; ++i) {
       _mm256_storeu_ps(ws->cs + i * B + b, _mm256_mul_ps(dv, _mm256_loadu_ps(ws->xd + i * B + b)));
-      if (kind != Q8_0) oacc[i] = _mm256_fmadd_ps(ov, _mm256_loadu_ps(ws->xs + i * B + b), oacc[i]);
+      if (!SIGNED_VALUES(kind)) oacc[i] = _mm256_fmadd_ps(ov, _mm256_loadu_ps(ws->xs + i * B + b), oacc[i]);
     }
   }
-  for (size_t i = 0; i < MC; ++i) off[i] = kind == Q8_0 ? 0.0f : hsum(oacc[i]);
+  for (size_t i = 0; i < MC; ++i) off[i] = SIGNED_VALUES(kind) ? 0.0f : hsum(oacc[i]);
   for (; b < B; ++b) {
-    float dv = half(d[b]), ov = OFFSETS(kind) ? half(m[b]) : offset_scale(kind) * dv;
+    float dv = dl ? dl[b] : half(d[b]), ov = OFFSETS(kind) ? half(m[b]) : offset_scale(kind) * dv;
     for (size_t i = 0; i < MC; ++i) {
       ws->cs[i * B + b] = dv * ws->xd[i * B + b];
-      if (kind != Q8_0) off[i] += ov * ws->xs[i * B + b];
+      if (!SIGNED_VALUES(kind)) off[i] += ov * ws->xs[i * B + b];
     }
   }
 }
@@ -318,6 +327,22 @@ INLINE __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i 
 INLINE __m256i nibbles(const uint8_t *p) {
   __m128i b = _mm_loadu_si128((const __m128i *)p);
   return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(15));
+}
+
+// IQ4_NL's and IQ4_XS's values by 4-bit index (ggml's kvalues_iq4nl), for pshufb in each 16-byte lane
+INLINE __m128i iq4_values(void) {
+  return _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+}
+INLINE __m256i iq4_table(void) { return _mm256_broadcastsi128_si256(iq4_values()); }
+
+// IQ4_XS's scale of each block of 32 values of a row (super-block scales d, 6-bit scales' top bits
+// sh and low bits sl): d times the block's 6-bit scale less 32, as ggml's dequantize_row_iq4_xs.
+INLINE void iq4_xs_scales(const uint16_t *d, const uint16_t *sh, const uint8_t *sl, size_t B, float *dl) {
+  for (size_t b = 0; b < B; ++b) {
+    size_t s = b / 8, j = b % 8;
+    int ls = ((sl[4 * s + j / 2] >> (4 * (j % 2))) & 15) | (((sh[s] >> (2 * j)) & 3) << 4);
+    dl[b] = half(d[s]) * (float)(ls - 32);
+  }
 }
 
 // Q5_0's fifth bits: 32 bits (bit j of value j) -> 32 bytes, byte j 16 where bit j is set
@@ -346,14 +371,18 @@ INLINE uint32_t load_bits(const uint8_t *p) {
       if (!((b) & 1)) PREFETCH_LINE((const int8_t *)qn + 32 * (b));                             \
       w = load32((const int8_t *)qn + 32 * (b));                                                \
       aw = _mm256_sign_epi8(w, w);                                                              \
+    } else if (IQ4_ROW_KIND(kind)) {                                                            \
+      if (!((b) & 3)) PREFETCH_LINE((const uint8_t *)qn + 16 * (b));                            \
+      w = _mm256_shuffle_epi8(iq4_table(), nibbles((const uint8_t *)qn + 16 * (b)));            \
+      aw = _mm256_sign_epi8(w, w);                                                              \
     } else {                                                                                    \
       w = aw = nibbles((const uint8_t *)qn + 16 * (b));                                         \
       if (FIFTH_BITS(kind)) w = aw = _mm256_or_si256(w, fifth_bits(load_bits(qh + 4 * (b))));  \
     }                                                                                           \
     for (size_t i = 0; i < MC; ++i) {                                                           \
       __m256i xb = load32(ws->q + i * K + 32 * (b));                                            \
-      /* maddubs multiplies unsigned by signed bytes: Q8_0 passes |w| and x with w's sign */   \
-      __m256 p = dot_u8s8(aw, kind == Q8_0 ? _mm256_sign_epi8(xb, w) : xb);                     \
+      /* maddubs multiplies unsigned by signed bytes: signed w passes |w| and x with w's sign */ \
+      __m256 p = dot_u8s8(aw, SIGNED_VALUES(kind) ? _mm256_sign_epi8(xb, w) : xb);              \
       acc[i][u] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(ws->cs + i * B + (b)), acc[i][u]);     \
     }                                                                                           \
   }
@@ -380,17 +409,19 @@ INLINE uint32_t load_bits(const uint8_t *p) {
     }                                                                                                  \
   }
 
-// One row n of a quantized w (its blocks at qn, scales d, offsets m, Q5's fifth bits qh) times
-// MC rows of x.
+// One row n of a quantized w (its blocks at qn, scales d, offsets m, Q5's fifth bits qh; IQ4_XS's
+// scales' top bits m and low bits qh) times MC rows of x.
 INLINE void q_row(workspace *ws, int kind, const void *qn, const uint16_t *d, const uint16_t *m, const uint8_t *qh,
                   size_t MC, size_t K, float *out) {
   size_t B = K / 32;
-  row_scales(ws, kind, d, m, MC, B, out);
+  float dl[MAX_BLOCKS];
+  if (kind == IQ4_XS) iq4_xs_scales(d, m, qh, B, dl);
+  row_scales(ws, kind, d, kind == IQ4_XS ? dl : 0, m, MC, B, out);
   __m256 acc[MC][4];  // SPLIT(MC) used; the blocks are unrolled so that each stays in a register
   for (size_t i = 0; i < MC; ++i)
     for (size_t u = 0; u < SPLIT(MC); ++u) acc[i][u] = _mm256_setzero_ps();
   size_t b = 0;
-  if (kind == Q8_0) {
+  if (SIGNED_VALUES(kind)) {
     for (; b + SPLIT(MC) <= B; b += SPLIT(MC)) {
       Q_STEP(b, 0)
       if (SPLIT(MC) > 1) Q_STEP(b + 1, 1)
@@ -583,6 +614,18 @@ INLINE void pair_outputs(const __m512 *acc, const __m256 *off, size_t MC, float 
   SUMS_ARRAY(__m256, off); \
   pair_outputs(acc, off, MC, out)
 
+// Block b of row i of x times the group's nibbles in pair lanes (lo0, lo1, hi0, hi1: values 0..7,
+// 8..15, 16..23, 24..31 of each row's block) into its sums, with offsets mv (ADD_BLOCK).
+#define NIBBLE_BLOCK(i)                                                                                   \
+  if (i < MC) {                                                                                           \
+    const int8_t *xq = ws->q + i * K + 32 * b;                                                            \
+    __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo0, broadcast8(xq));                         \
+    s = _mm512_dpbusd_epi32(s, lo1, broadcast8(xq + 8));                                                  \
+    s = _mm512_dpbusd_epi32(s, hi0, broadcast8(xq + 16));                                                 \
+    s = _mm512_dpbusd_epi32(s, hi1, broadcast8(xq + 24));                                                 \
+    ADD_BLOCK(i, s, mv);                                                                                  \
+  }
+
 INLINE void q4_x8_zmm(const workspace *ws, int kind, const uint8_t *qs, const uint16_t *d, const uint16_t *m,
                       const uint8_t *qh, size_t MC, size_t K, float out[MAX_M][8]) {
   (void)qh;  // Q4 only: Q5_0X8 takes q4_x8
@@ -600,17 +643,7 @@ INLINE void q4_x8_zmm(const workspace *ws, int kind, const uint8_t *qs, const ui
     __m256 d8 = halves8(d + 8 * b);
     __m512 dv = pair_scales(d8);
     __m256 mv = kind == Q4_1X8 ? halves8(m + 8 * b) : _mm256_mul_ps(d8, _mm256_set1_ps(-8.0f));
-#define ROW(i)                                                                                                     \
-  if (i < MC) {                                                                                                    \
-    const int8_t *xq = ws->q + i * K + 32 * b; /* values 0..7 meet lo0, 8..15 lo1, 16..23 hi0, 24..31 hi1 */       \
-    __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo0, broadcast8(xq));                                  \
-    s = _mm512_dpbusd_epi32(s, lo1, broadcast8(xq + 8));                                                           \
-    s = _mm512_dpbusd_epi32(s, hi0, broadcast8(xq + 16));                                                          \
-    s = _mm512_dpbusd_epi32(s, hi1, broadcast8(xq + 24));                                                          \
-    ADD_BLOCK(i, s, mv);                                                                                           \
-  }
-    ROWS_OF_X(ROW)
-#undef ROW
+    ROWS_OF_X(NIBBLE_BLOCK)
   }
   PAIR_OUTPUTS;
 }
@@ -670,6 +703,20 @@ INLINE void q8_x8_zmm(const workspace *ws, const int8_t *qs, const uint16_t *d, 
   }
 FOR_EACH_ROW_COUNT(Q4_X8_AT)
 
+// Row i of x's 4 values at xq and at xq + second times two chunks of the eight rows' signed values
+// (v0 and v1, their magnitudes a0 and a1) into its 32-bit sums s_i, with the sign trick (|w| times x
+// with w's sign): each `maddubs` (|.| <= 2 * 127 * 127) goes through `madd` into 32 bits.
+#define SIGNED_CHUNKS(i, xq, second, v0, a0, v1, a1)                                                          \
+  if (i < MC) {                                                                                               \
+    __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(broadcast4(xq), v0));                              \
+    __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(broadcast4((xq) + (second)), v1));                 \
+    s##i = _mm256_add_epi32(s##i, _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones))); \
+    __asm__("" : "+x"(s##i)); /* as in q4_x8 */                                                               \
+  }
+// Block b's sums s_i of row i of x, times the eight rows' scales dv and x's scale, into acc_i.
+#define ADD_SCALED_SUMS(i) \
+  if (i < MC) acc##i = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s##i), _mm256_mul_ps(dv, _mm256_broadcast_ss(ws->xd + i * B + b)), acc##i);
+
 // Q8_0 weights interleaved the same way: per group of eight rows and block b, 256 bytes hold the
 // rows' 32 bytes 4 at a time, chunk j (bytes 4j .. 4j + 3 of rows 0..7) at 32 j; the eight rows'
 // scales of block b together. Each chunk meets x's four values broadcast, with the sign trick of
@@ -690,22 +737,12 @@ INLINE void q8_x8(const workspace *ws, const int8_t *qs, const uint16_t *d, size
     for (size_t j = 0; j < 8; j += 2) {
       __m256i v0 = load32(qs + 32 * j), v1 = load32(qs + 32 * j + 32);
       __m256i w0 = _mm256_sign_epi8(v0, v0), w1 = _mm256_sign_epi8(v1, v1);
-#define ROW(i)                                                                                                 \
-  if (i < MC) {                                                                                                \
-    const int8_t *xq = ws->q + i * K + 32 * b + 4 * j;                                                         \
-    __m256i p0 = _mm256_maddubs_epi16(w0, _mm256_sign_epi8(broadcast4(xq), v0));                               \
-    __m256i p1 = _mm256_maddubs_epi16(w1, _mm256_sign_epi8(broadcast4(xq + 4), v1));                           \
-    s##i = _mm256_add_epi32(s##i, _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones))); \
-    __asm__("" : "+x"(s##i)); /* as in q4_x8 */                                                                \
-  }
+#define ROW(i) SIGNED_CHUNKS(i, ws->q + i * K + 32 * b + 4 * j, 4, v0, w0, v1, w1)
       ROWS_OF_X(ROW)
 #undef ROW
     }
     __m256 dv = halves8(d + 8 * b);
-#define ROW(i) \
-  if (i < MC) acc##i = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s##i), _mm256_mul_ps(dv, _mm256_broadcast_ss(ws->xd + i * B + b)), acc##i);
-    ROWS_OF_X(ROW)
-#undef ROW
+    ROWS_OF_X(ADD_SCALED_SUMS)
   }
   SUMS_ARRAY(__m256, acc);
   group_outputs(acc, MC, out);
@@ -717,6 +754,88 @@ INLINE void q8_x8(const workspace *ws, const int8_t *qs, const uint16_t *d, size
     Q8_X8_LOOP(ws, qs, d, MC, K, out);                                                                  \
   }
 FOR_EACH_ROW_COUNT(Q8_X8_AT)
+
+// ---- IQ4_NL and IQ4_XS with rows interleaved eight at a time ----
+//
+// Laid out as Q4_0X8 (per group of eight rows and block b of 32 values, 128 bytes hold 4 bytes of
+// each row's 16 at a time); IQ4_XS's per-256 planes hold the eight rows' side by side: d and the
+// scales' top bits sh (16 bits a row), their low bits sl (4 bytes a row). The nibbles index the
+// value table (`pshufb`); block b's scale is d (IQ4_NL) or d times the 6-bit scale less 32 (IQ4_XS).
+
+// Block b's scales of the eight rows (lane r: row r's).
+INLINE __m256 iq4_scales8(int kind, const uint16_t *d, const uint16_t *sh, const uint8_t *sl, size_t b) {
+  if (kind == IQ4_NLX8) return halves8(d + 8 * b);
+  size_t s = b / 8, j = b % 8;
+  __m256i lo = _mm256_and_si256(_mm256_srli_epi32(load32(sl + 32 * s), (int)(4 * j)), _mm256_set1_epi32(15));
+  __m256i hi = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(sh + 8 * s)));
+  hi = _mm256_and_si256(_mm256_srli_epi32(hi, (int)(2 * j)), _mm256_set1_epi32(3));
+  __m256i ls = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
+  return _mm256_mul_ps(halves8(d + 8 * s), _mm256_cvtepi32_ps(ls));
+}
+
+// Rows 0..7 of an x8 group times MC rows of x (quantized in ws, per 32): out[i][r]. The values are
+// signed: each chunk meets x as q8_x8's (SIGNED_CHUNKS).
+INLINE void iq4_x8(const workspace *ws, int kind, const uint8_t *qs, const uint16_t *d, const uint16_t *sh,
+                   const uint8_t *sl, size_t MC, size_t K, float out[MAX_M][8]) {
+  size_t B = K / 32;
+  const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), table = iq4_table();
+  EIGHT(__m256, acc, _mm256_setzero_ps());
+  for (size_t b = 0; b < B; ++b, qs += 128) {
+    PREFETCH_TWO_STEPS(qs);
+    PREFETCH_TWO_STEPS(qs + 64);
+    EIGHT(__m256i, s, _mm256_setzero_si256());
+    for (size_t j = 0; j < 4; ++j) {
+      __m256i v = load32(qs + 32 * j);
+      __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(v, low4));
+      __m256i hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+      __m256i alo = _mm256_sign_epi8(lo, lo), ahi = _mm256_sign_epi8(hi, hi);
+#define ROW(i) SIGNED_CHUNKS(i, ws->q + i * K + 32 * b + 4 * j, 16, lo, alo, hi, ahi)
+      ROWS_OF_X(ROW)
+#undef ROW
+    }
+    __m256 dv = iq4_scales8(kind, d, sh, sl, b);
+    ROWS_OF_X(ADD_SCALED_SUMS)
+  }
+  SUMS_ARRAY(__m256, acc);
+  group_outputs(acc, MC, out);
+}
+
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// With AVX-512 VNNI, as q4_x8_zmm: the table holds the values plus 128 (unsigned bytes for
+// `vpdpbusd`), and each block's sum is corrected by -128 times x's block sum, as Q8_0's.
+INLINE void iq4_x8_zmm(const workspace *ws, int kind, const uint8_t *qs, const uint16_t *d, const uint16_t *sh,
+                       const uint8_t *sl, size_t MC, size_t K, float out[MAX_M][8]) {
+  size_t B = K / 32;
+  const __m512i low4 = _mm512_set1_epi8(15);
+  const __m512i table = _mm512_xor_si512(_mm512_broadcast_i32x4(iq4_values()), _mm512_set1_epi8((char)0x80));
+  EIGHT(__m512, acc, _mm512_setzero_ps());
+  EIGHT(__m256, off, _mm256_setzero_ps());
+  for (size_t b = 0; b < B; ++b, qs += 128) {
+    PREFETCH_TWO_STEPS(qs);
+    PREFETCH_TWO_STEPS(qs + 64);
+    __m512i v0 = pair_chunks(_mm512_loadu_si512(qs)), v1 = pair_chunks(_mm512_loadu_si512(qs + 64));
+    __m512i lo0 = _mm512_shuffle_epi8(table, _mm512_and_si512(v0, low4));
+    __m512i hi0 = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v0, 4), low4));
+    __m512i lo1 = _mm512_shuffle_epi8(table, _mm512_and_si512(v1, low4));
+    __m512i hi1 = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v1, 4), low4));
+    __m256 d8 = iq4_scales8(kind, d, sh, sl, b);
+    __m512 dv = pair_scales(d8);
+    __m256 mv = _mm256_mul_ps(d8, _mm256_set1_ps(-128.0f));
+    ROWS_OF_X(NIBBLE_BLOCK)
+  }
+  PAIR_OUTPUTS;
+}
+#define IQ4_X8_LOOP iq4_x8_zmm
+#else
+#define IQ4_X8_LOOP iq4_x8
+#endif
+
+#define IQ4_X8_AT(MC) /* as Q4_X8_AT */                                                                       \
+  NOINLINE void iq4_x8_##MC(const workspace *ws, int kind, const uint8_t *qs, const uint16_t *d,             \
+                            const uint16_t *sh, const uint8_t *sl, size_t K, float out[MAX_M][8]) {          \
+    IQ4_X8_LOOP(ws, kind, qs, d, sh, sl, MC, K, out);                                                         \
+  }
+FOR_EACH_ROW_COUNT(IQ4_X8_AT)
 
 // Calls ROW(mc as a constant) so that each row count gets its own loop with registers for its
 // accumulators.
@@ -1020,17 +1139,17 @@ NOINLINE void read_rows(int kind, const matrix *w, size_t n, size_t rows, size_t
   size_t B = K / 32, block = rows * (FLOAT_WEIGHTS(kind) ? 64 : kind == Q8_0 || kind == Q8_0X8 ? 32 : 16);
   const uint8_t *qs = (const uint8_t *)w->qs + n * B * (block / rows);
   // of the K-quants, only the 4-bit values (their scales are per 256 values)
-  const int per_block = !FLOAT_WEIGHTS(kind) && !X_PER_256(kind);
+  const int per_block = !FLOAT_WEIGHTS(kind) && !X_PER_256(kind) && !IQ4_XS_KIND(kind);
   const uint8_t *d = per_block ? (const uint8_t *)(w->d + n * B) : 0;
   const uint8_t *m = per_block && w->m ? (const uint8_t *)(w->m + n * B) : 0;
   const int q4_x8 = Q4_X8_KIND(kind);
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
   const int ahead = kind == Q8_0X8 || FLOAT_WEIGHTS(kind) ? mc > 1 : kind != Q4_0 && kind != Q4_1;  // see q8_x8_zmm
-  const int two_steps = q4_x8 || kind == Q8_0X8 || FLOAT_WEIGHTS(kind);  // see FAR_AHEAD
+  const int two_steps = q4_x8 || IQ4_X8_KIND(kind) || kind == Q8_0X8 || FLOAT_WEIGHTS(kind);  // see FAR_AHEAD
 #else
   // F16: f16_pair fetches, f16_row (one row of x, or more than four) does not
   const int ahead = FLOAT_WEIGHTS(kind) ? F16_PAIR_ROWS(mc) : kind != Q4_0 && kind != Q4_1;
-  const int two_steps = q4_x8 || FLOAT_WEIGHTS(kind);
+  const int two_steps = q4_x8 || IQ4_X8_KIND(kind) || FLOAT_WEIGHTS(kind);
 #endif
   uint8_t seen = 0;
   for (size_t b = 0; b < B; ++b, qs += block) {
@@ -1813,9 +1932,12 @@ INLINE void some_rows(int kind, workspace *ws, const float *x, const matrix *w, 
     for (size_t i = 0; i < mc; ++i) out[i][0] = column[i];
     return;
   }
+  // (interleaved: the group's planes from n) IQ4_XS's d and its scales' top bits (m) per 256
+  // values, their low bits (qh) 4 bytes per 256; Q5's fifth bits 4 bytes a block
+  const size_t per_d = IQ4_XS_KIND(kind) ? K / 256 : B;
   const uint8_t *qn = (const uint8_t *)w->qs + n * (kind == Q8_0 || kind == Q8_0X8 ? K : K / 2);
-  const uint16_t *d = w->d + n * B, *m = w->m ? w->m + n * B : 0;
-  const uint8_t *qh = w->h ? w->h + n * B * 4 : 0;  // Q5's (interleaved: the group's from n)
+  const uint16_t *d = w->d + n * per_d, *m = w->m ? w->m + n * per_d : 0;
+  const uint8_t *qh = IQ4_XS_KIND(kind) ? w->s + n * (K / 64) : w->h ? w->h + n * B * 4 : 0;
   if (kind == Q8_0X8) {
 #define ROW(MC) AT_ROWS(q8_x8, MC)(ws, (const int8_t *)qn, d, K, out)
     FOR_CONSTANT_MC(mc, ROW)
@@ -1824,6 +1946,12 @@ INLINE void some_rows(int kind, workspace *ws, const float *x, const matrix *w, 
   }
   if (Q4_X8_KIND(kind)) {
 #define ROW(MC) AT_ROWS(q4_x8, MC)(ws, kind, qn, d, m, qh, K, out)
+    FOR_CONSTANT_MC(mc, ROW)
+#undef ROW
+    return;
+  }
+  if (IQ4_X8_KIND(kind)) {
+#define ROW(MC) AT_ROWS(iq4_x8, MC)(ws, kind, qn, d, m, qh, K, out)
     FOR_CONSTANT_MC(mc, ROW)
 #undef ROW
     return;
@@ -2039,6 +2167,15 @@ INLINE void matvec(int kind, int op, const float *x, const float *g, float eps, 
 #define MAT_Q5_1X8 MAT_Q5_1
 #define ARGS_BF16 ARGS_F16
 #define MAT_BF16 MAT_F16
+#define ARGS_IQ4_NL ARGS_Q4_0
+#define MAT_IQ4_NL MAT_Q4_0
+#define ARGS_IQ4_NLX8 ARGS_Q4_0
+#define MAT_IQ4_NLX8 MAT_Q4_0
+#define ARGS_IQ4_XS(p) \
+  MEMREF(const uint8_t, p##qs), MEMREF(const uint16_t, p##d), MEMREF(const uint16_t, p##sh), MEMREF(const uint8_t, p##sl)
+#define MAT_IQ4_XS(p, rows) {BASE(p##qs), BASE(p##d), BASE(p##sh), rows, 0, BASE(p##sl)}  // scales_h as m, scales_l as s
+#define ARGS_IQ4_XSX8 ARGS_IQ4_XS
+#define MAT_IQ4_XSX8 MAT_IQ4_XS
 #define X_ARG MEMREF(const float, x)
 #define NORM_ARG MEMREF(const float, g)
 #define N_ARGS size_t M, size_t N, size_t K, size_t rows, size_t wg
@@ -2095,6 +2232,10 @@ DEFINE_KERNELS(Q5_1, q5_1)
 DEFINE_KERNELS(Q5_1X8, q5_1x8)
 DEFINE_KERNELS(Q5_KX8, q5_kx8)
 DEFINE_KERNELS(Q6_KX8, q6_kx8)
+DEFINE_KERNELS(IQ4_NL, iq4_nl)
+DEFINE_KERNELS(IQ4_NLX8, iq4_nlx8)
+DEFINE_KERNELS(IQ4_XS, iq4_xs)
+DEFINE_KERNELS(IQ4_XSX8, iq4_xsx8)
 #undef X_ARG
 #undef NORM_ARG
 #undef N_ARGS

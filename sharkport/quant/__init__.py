@@ -104,12 +104,16 @@ BLOCK_TYPES: dict[str, BlockType] = {
         BlockType("Q5_K", (("d", "<f2", 1), ("dmin", "<f2", 1), ("scales", "u1", 12), ("qh", "u1", 32),
                            ("qs", "u1", 128))),
         BlockType("Q6_K", (("ql", "u1", 128), ("qh", "u1", 64), ("scales", "i1", 16), ("d", "<f2", 1))),
+        # 4-bit indices into a non-linear table (ggml's block_iq4_nl, block_iq4_xs)
+        BlockType("IQ4_NL", (("d", "<f2", 1), ("qs", "u1", 16))),
+        # (IQ4_XS's u16 scales_h as int16: its bits are read, never its value)
+        BlockType("IQ4_XS", (("d", "<f2", 1), ("scales_h", "<i2", 1), ("scales_l", "u1", 4), ("qs", "u1", 128))),
     ]
 }
 
 SUPPORTED_TYPES = tuple(PLAIN_TYPES) + tuple(BLOCK_TYPES)
 
-ROW_INTERLEAVED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+ROW_INTERLEAVED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 INTERLEAVED_ROWS = 8
 
 
@@ -130,7 +134,8 @@ def interleave_planes(planes: dict, inverse: bool = False) -> dict:
     rows interleaved eight at a time, or with `inverse` put back. Per group of eight rows and
     block b: a plane of bytes a block (`qs`, Q5_0's `qh`, the K-quants' `scales`) holds 4 of each
     row's bytes at a time (chunk j: bytes 4j .. 4j + 3 of rows 0..7), a plane of a value a block
-    (`d`, `m`, `dmin`) the eight rows' values side by side. Every plane keeps its shape."""
+    (`d`, `m`, `dmin`, IQ4_XS's `scales_h`) the eight rows' values side by side. Every plane keeps
+    its shape."""
     out = {}
     for name, p in planes.items():
         n, b = p.shape[0], p.shape[1]

@@ -117,6 +117,28 @@ def _q6_k(p):
     return (d.unsqueeze(-1) * q).flatten(-2)
 
 
+# --- IQ4: 4-bit indices into a fixed non-linear table of int8 values -----------------------
+
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # ggml's kvalues_iq4nl
+
+
+def _iq4_values(q: torch.Tensor) -> torch.Tensor:
+    """uint8 indices 0..15 → their float32 table values."""
+    return torch.tensor(IQ4_VALUES, dtype=torch.float32)[q.to(torch.int64)]
+
+
+def _iq4_xs(p):
+    # Eight sub-blocks of 32 values, each with a 6-bit scale biased by 32: its low 4 bits are
+    # nibble ib % 2 of scales_l[ib / 2], its top 2 bits bits 2ib..2ib+1 of the u16 scales_h.
+    # qs[128]: 16 bytes a sub-block, low nibbles values 0..15, high 16..31.
+    low = _bits(p["scales_l"], 0, 4, 0xF).transpose(-1, -2).flatten(-2)  # [..., 8]
+    h = p["scales_h"].unsqueeze(-1)
+    high = torch.cat([_field(h, 2 * i, 3) for i in range(8)], dim=-1)  # (int16: & 3 clears the sign)
+    dl = _scale(p["d"]) * ((low | (high << 4)).to(torch.float32) - 32)
+    q = _bits(p["qs"].unflatten(-1, (8, 16)), 0, 4, 0xF).flatten(-2)  # [..., 8, 32]
+    return (dl.unsqueeze(-1) * _iq4_values(q)).flatten(-2)
+
+
 DEQUANT = {
     "Q8_0": lambda p: _scale(p["d"]) * _values(p["qs"]),
     "Q4_0": lambda p: _scale(p["d"]) * _values(_nibbles(p["qs"]), 8),
@@ -128,4 +150,6 @@ DEQUANT = {
     "Q4_K": lambda p: _q45_k(p, fifth_bit=False),
     "Q5_K": lambda p: _q45_k(p, fifth_bit=True),
     "Q6_K": _q6_k,
+    "IQ4_NL": lambda p: _scale(p["d"]) * _iq4_values(_nibbles(p["qs"])),
+    "IQ4_XS": _iq4_xs,
 }
