@@ -762,15 +762,27 @@ FOR_EACH_ROW_COUNT(Q8_X8_AT)
 // scales' top bits sh (16 bits a row), their low bits sl (4 bytes a row). The nibbles index the
 // value table (`pshufb`); block b's scale is d (IQ4_NL) or d times the 6-bit scale less 32 (IQ4_XS).
 
-// Block b's scales of the eight rows (lane r: row r's).
-INLINE __m256 iq4_scales8(int kind, const uint16_t *d, const uint16_t *sh, const uint8_t *sl, size_t b) {
+// IQ4_XS's super-block of the eight rows as iq4_scales8 reads it, loaded once for its 8 blocks
+// (lane r: row r's): its scales' low bits, their top bits, d and -32 d.
+typedef struct {
+  __m256i lo, hi;
+  __m256 d, bias;
+} iq4_super;
+
+INLINE iq4_super iq4_super_at(const uint16_t *d, const uint16_t *sh, const uint8_t *sl, size_t s) {
+  __m256 d8 = halves8(d + 8 * s);
+  return (iq4_super){load32(sl + 32 * s), _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(sh + 8 * s))), d8,
+                     _mm256_mul_ps(d8, _mm256_set1_ps(-32.0f))};
+}
+
+// Block b's scales of the eight rows (lane r: row r's): IQ4_NL's d, or IQ4_XS's from its super-block
+// x (d ls - 32 d, exact as d (ls - 32) is: at most 17 significant bits).
+INLINE __m256 iq4_scales8(int kind, const uint16_t *d, const iq4_super *x, size_t b) {
   if (kind == IQ4_NLX8) return halves8(d + 8 * b);
-  size_t s = b / 8, j = b % 8;
-  __m256i lo = _mm256_and_si256(_mm256_srli_epi32(load32(sl + 32 * s), (int)(4 * j)), _mm256_set1_epi32(15));
-  __m256i hi = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(sh + 8 * s)));
-  hi = _mm256_and_si256(_mm256_srli_epi32(hi, (int)(2 * j)), _mm256_set1_epi32(3));
-  __m256i ls = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
-  return _mm256_mul_ps(halves8(d + 8 * s), _mm256_cvtepi32_ps(ls));
+  const int j = (int)(b % 8);
+  __m256i lo = _mm256_and_si256(_mm256_srli_epi32(x->lo, 4 * j), _mm256_set1_epi32(15));
+  __m256i hi = _mm256_and_si256(_mm256_srli_epi32(x->hi, 2 * j), _mm256_set1_epi32(3));
+  return _mm256_fmadd_ps(x->d, _mm256_cvtepi32_ps(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4))), x->bias);
 }
 
 // Rows 0..7 of an x8 group times MC rows of x (quantized in ws, per 32): out[i][r]. The values are
@@ -779,6 +791,7 @@ INLINE void iq4_x8(const workspace *ws, int kind, const uint8_t *qs, const uint1
                    const uint8_t *sl, size_t MC, size_t K, float out[MAX_M][8]) {
   size_t B = K / 32;
   const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), table = iq4_table();
+  iq4_super xs = {0};
   EIGHT(__m256, acc, _mm256_setzero_ps());
   for (size_t b = 0; b < B; ++b, qs += 128) {
     PREFETCH_TWO_STEPS(qs);
@@ -793,7 +806,8 @@ INLINE void iq4_x8(const workspace *ws, int kind, const uint8_t *qs, const uint1
       ROWS_OF_X(ROW)
 #undef ROW
     }
-    __m256 dv = iq4_scales8(kind, d, sh, sl, b);
+    if (kind == IQ4_XSX8 && !(b & 7)) xs = iq4_super_at(d, sh, sl, b / 8);
+    __m256 dv = iq4_scales8(kind, d, &xs, b);
     ROWS_OF_X(ADD_SCALED_SUMS)
   }
   SUMS_ARRAY(__m256, acc);
@@ -808,6 +822,7 @@ INLINE void iq4_x8_zmm(const workspace *ws, int kind, const uint8_t *qs, const u
   size_t B = K / 32;
   const __m512i low4 = _mm512_set1_epi8(15);
   const __m512i table = _mm512_xor_si512(_mm512_broadcast_i32x4(iq4_values()), _mm512_set1_epi8((char)0x80));
+  iq4_super xs = {0};
   EIGHT(__m512, acc, _mm512_setzero_ps());
   EIGHT(__m256, off, _mm256_setzero_ps());
   for (size_t b = 0; b < B; ++b, qs += 128) {
@@ -818,7 +833,8 @@ INLINE void iq4_x8_zmm(const workspace *ws, int kind, const uint8_t *qs, const u
     __m512i hi0 = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v0, 4), low4));
     __m512i lo1 = _mm512_shuffle_epi8(table, _mm512_and_si512(v1, low4));
     __m512i hi1 = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v1, 4), low4));
-    __m256 d8 = iq4_scales8(kind, d, sh, sl, b);
+    if (kind == IQ4_XSX8 && !(b & 7)) xs = iq4_super_at(d, sh, sl, b / 8);
+    __m256 d8 = iq4_scales8(kind, d, &xs, b);
     __m512 dv = pair_scales(d8);
     __m256 mv = _mm256_mul_ps(d8, _mm256_set1_ps(-128.0f));
     ROWS_OF_X(NIBBLE_BLOCK)
