@@ -2,9 +2,9 @@
 // x[m, k] * w[n, k] for a few rows m of float32 activations, with w in ggml's Q8_0, Q4_0, Q4_1,
 // Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL or IQ4_XS planes (see sharkport.quant; all but
 // Q2_K and Q3_K also with rows interleaved eight at a time, see q4_x8, q8_x8, q4k_x8, q6k_x8 and
-// iq4_x8) or in float16 or bfloat16. Compiled by the system C compiler into an object that iree-compile links into the
-// module (an IREE "custom dispatch"), so it must stay freestanding: no libc, no globals, no
-// thread-local state.
+// iq4_x8) or in float16 or bfloat16. Compiled by the system C compiler into an object that
+// iree-compile links into the module (an IREE "custom dispatch"), so it must stay freestanding: no
+// libc, no globals, no thread-local state.
 //
 // Each workgroup computes `rows` outputs n (an argument: sharkport.kernels.ops aims at one
 // workgroup per CPU, kernels.workgroups) of every row m, reading each weight once for all rows of
@@ -269,7 +269,7 @@ enum { IQ4_NL = Q6_KX8 + 1, IQ4_NLX8, IQ4_XS, IQ4_XSX8 };
 #define K4_X8_KIND(kind) ((kind) == Q4_KX8 || (kind) == Q5_KX8)  // the types q4k_x8 reads
 #define IQ4_X8_KIND(kind) ((kind) == IQ4_NLX8 || (kind) == IQ4_XSX8)  // the types iq4_x8 reads
 #define X8_KIND(kind) (Q4_X8_KIND(kind) || (kind) == Q8_0X8 || K4_X8_KIND(kind) || (kind) == Q6_KX8 || IQ4_X8_KIND(kind))
-// IQ4_NL and IQ4_XS: 4-bit indices into a table of signed values (IQ4_VALUES), x quantized per 32
+// IQ4_NL and IQ4_XS: 4-bit indices into a table of signed values (iq4_values), x quantized per 32
 // values as for Q8_0; IQ4_XS's blocks of 32 take their scales from 6 bits each per 256 values
 #define IQ4_ROW_KIND(kind) ((kind) == IQ4_NL || (kind) == IQ4_XS)
 #define IQ4_XS_KIND(kind) ((kind) == IQ4_XS || (kind) == IQ4_XSX8)
