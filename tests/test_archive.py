@@ -62,8 +62,8 @@ def test_values_survive_import(mixed_gguf, imported, type_name):
 
 def test_archive_layout(imported):
     entries = dict(ParameterArchive(imported).items())
-    # Quantized tensors are stored as their planes, readable with turbine's own API; Q8_0, Q4, Q5,
-    # Q4_K, Q5_K and Q6_K matrices with their rows interleaved eight at a time, under keys of their own.
+    # Quantized tensors are stored as their planes, readable with turbine's own API; their matrices
+    # with their rows interleaved eight at a time, under keys of their own.
     assert "t.q4_1" not in entries and "t.q4_1:qs" not in entries
     assert entries["t.q4_1:qs:x8"].as_tensor().shape == (16, 8, 16)
     assert entries["t.q6_k:scales:x8"].as_tensor().dtype == torch.int8
@@ -76,7 +76,7 @@ def test_archive_layout(imported):
     assert meta["tensors"]["t.q6_k"] == {"type": "Q6_K", "shape": list(SHAPE),
                                          "planes": ["ql", "qh", "scales", "d"], "interleaved_rows": 8}
     assert meta["tensors"]["t.q3_k"] == {"type": "Q3_K", "shape": list(SHAPE),
-                                         "planes": ["hmask", "qs", "scales", "d"]}
+                                         "planes": ["hmask", "qs", "scales", "d"], "interleaved_rows": 8}
     assert meta["tensors"]["t.q5_1"] == {"type": "Q5_1", "shape": list(SHAPE), "planes": ["d", "m", "qh", "qs"],
                                          "interleaved_rows": 8}
 

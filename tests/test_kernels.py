@@ -185,9 +185,9 @@ ROW_KINDS = ["Q5_0", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "Q5_1", "IQ4_NL", "
                                         pytest.param(3, 72, 256, marks=pytest.mark.extended)])
 def test_row_kernels_equal_gguf_dequantization(rows, n, k, isa, two_cpus, tmp_path):
     """Q5_0, Q5_1, the K-quants, IQ4_NL and IQ4_XS on random blocks: one, two or three
-    super-blocks a row, 1, 3, 4 and 8 rows of x (each row count a loop of its own). All but Q3_K
-    and Q2_K are read interleaved eight rows at a time where their rows are a multiple of 8 (80,
-    88, 72), else a row at a time (83), as Q3_K and Q2_K always are."""
+    super-blocks a row, 1, 3, 4 and 8 rows of x (each row count a loop of its own). Each is read
+    interleaved eight rows at a time where its rows are a multiple of 8 (80, 88, 72), else a row at
+    a time (83)."""
     rng = np.random.default_rng(rows)
     raws = [_random_blocks(kind, n, k, rng) for kind in ROW_KINDS]
     weights = [weight_from_raw(kind, (n, k), raw) for kind, raw in zip(ROW_KINDS, raws)]
@@ -226,9 +226,9 @@ def test_x_per_256_is_llama_cpps_q8_k():
 
 def test_products_over_a_dynamic_row_count_equal_gguf_dequantization(isa, two_cpus, tmp_path):
     """Prefill's products: x of a dynamic row count, every kernel type in one module, run at 21
-    rows (two chunks of eight and five left) and at 3. All but Q3_K and Q2_K go interleaved (80
-    rows), those two a row at a time. BF16 shares F16's loops but for its conversion, so it
-    is tested here alone: at 3 rows its rows of w go two at a time, at 21 eight rows of x at a time."""
+    rows (two chunks of eight and five left) and at 3, the quantized types interleaved (80 rows).
+    BF16 shares F16's loops but for its conversion, so it is tested here alone: at 3 rows its rows
+    of w go two at a time, at 21 eight rows of x at a time."""
     rng = np.random.default_rng(0)
     n, k = 80, 512
     kinds = KINDS + ["BF16"] + ROW_KINDS
@@ -864,7 +864,7 @@ def test_norms_of_layers_of_mixed_types_go_inside_the_products(tmp_path):
 
 
 @pytest.mark.parametrize("kinds, kernels_called", [
-    (Q2_K_LAYER, ("matvec_swiglu_norm_q2_k", "matvec_add_q3_k", "matvec_norm_q6_kx8")),
+    (Q2_K_LAYER, ("matvec_swiglu_norm_q2_kx8", "matvec_add_q3_kx8", "matvec_norm_q6_kx8")),
     (IQ4_XS_LAYER, ("matvec_swiglu_norm_iq4_xsx8", "matvec_add_iq4_nlx8", "matvec_norm_q6_kx8"))], ids=["Q2_K", "IQ4_XS"])
 def test_layer_through_the_compiled_kernels_computes_as_transformers(kinds, kernels_called, tmp_path):
     """_k_quant_layer at llama.cpp's Q2_K kinds (Q2_K and Q3_K matrices, a Q6_K output) and at an

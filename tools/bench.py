@@ -415,8 +415,9 @@ def main() -> None:
             ref4 = 4 / statistics.median(times[t, "llama.cpp bs4"])
             cols[t]["llama.cpp decode bs4, tokens/s"] = f"{ref4:.1f}"
             cols[t]["llama.cpp decode bs4 / bs1"] = f"{ref4 / ref:.2f}x"
-            cols[t]["llama.cpp prefill bs1 (128 tokens), tokens/s"] = \
-                f"{PROMPT_LEN / statistics.median(times[t, 'llama.cpp prefill']):.0f}"
+            ref_prefill = statistics.median(times[t, "llama.cpp prefill"])
+            cols[t]["llama.cpp prefill bs1 (128 tokens), tokens/s"] = f"{PROMPT_LEN / ref_prefill:.0f}"
+            cols[t]["compiled / llama.cpp prefill"] = f"{ref_prefill / statistics.median(times[t, 'prefill']):.2f}x"
 
     # Page count: the same module with 16 and 1024 pages allocated, --loads sessions of each in
     # the same rounds (with one of each, their loads' placement alone put them 11% apart here).

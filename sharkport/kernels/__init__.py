@@ -2,9 +2,9 @@
 products of decode and prefill, and their attention.
 
 `matvec.c` computes x [M, K] @ w[N, K].T reading w as stored: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS planes, float16 or bfloat16 (matrices of all
-but Q2_K and Q3_K of a row count that is a multiple of 8 with their rows interleaved eight at a
-time, as archives hold them: quant.interleave_planes);
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS planes, float16 or bfloat16 (quantized matrices
+of a row count that is a multiple of 8 with their rows interleaved eight at a time, as archives
+hold them: quant.interleave_planes);
 also q, k, v of one x in one dispatch (`matvec_qkv`), SwiGLU's silu(x gate^T) * (x up^T)
 (`swiglu`), each product optionally of x RMS-normalized first (`norm`) or, for one matrix, plus
 a residual (`residual`); decode attention over the paged cache with rotary and the new

@@ -62,7 +62,7 @@ SIZES.update({x8: SIZES[kind] for kind, x8 in INTERLEAVED.items()})
 
 
 # weight types whose products take x quantized per 256 values (llama.cpp's Q8_K), not per 32 (Q8_0)
-X_PER_256 = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_KX8", "Q5_KX8", "Q6_KX8")
+X_PER_256 = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q2_KX8", "Q3_KX8", "Q4_KX8", "Q5_KX8", "Q6_KX8")
 
 
 def quantized_x(x, kind: str = "Q8_0"):

@@ -1,8 +1,8 @@
 // Matrix-vector products that read weights as stored (sharkport.kernels): y[m, n] = sum_k
 // x[m, k] * w[n, k] for a few rows m of float32 activations, with w in ggml's Q8_0, Q4_0, Q4_1,
-// Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL or IQ4_XS planes (see sharkport.quant; all but
-// Q2_K and Q3_K also with rows interleaved eight at a time, see q4_x8, q8_x8, q4k_x8, q6k_x8 and
-// iq4_x8) or in float16 or bfloat16. Compiled by the system C compiler into an object that
+// Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL or IQ4_XS planes (see sharkport.quant; also
+// with rows interleaved eight at a time, see q4_x8, q8_x8, q4k_x8, q6k_x8, q23k_x8 and iq4_x8) or
+// in float16 or bfloat16. Compiled by the system C compiler into an object that
 // iree-compile links into the module (an IREE "custom dispatch"), so it must stay freestanding: no
 // libc, no globals, no thread-local state.
 //
@@ -258,17 +258,19 @@ INLINE size_t chunk_rows(size_t M, size_t m0, size_t K) {
   return mc < fit ? mc : fit;
 }
 
-// Weight types: as stored (a w of a row count not a multiple of 8 is multiplied a row at a time;
-// Q2_K and Q3_K always are), and with rows interleaved eight at a time (the X8 types: q4_x8,
-// q8_x8, q4k_x8, q6k_x8, iq4_x8).
+// Weight types: as stored (a w of a row count not a multiple of 8 is multiplied a row at a time),
+// and with rows interleaved eight at a time (the X8 types: q4_x8, q8_x8, q4k_x8, q6k_x8, q23k_x8,
+// iq4_x8).
 enum { Q8_0, Q4_0, Q4_1, Q4_0X8, Q4_1X8, Q8_0X8 };
 enum { F16 = Q8_0X8 + 1, Q5_0, Q4_K, Q6_K, Q5_0X8, Q5_K, Q4_KX8, BF16, Q3_K, Q2_K, Q5_1, Q5_1X8, Q5_KX8, Q6_KX8 };
-enum { IQ4_NL = Q6_KX8 + 1, IQ4_NLX8, IQ4_XS, IQ4_XSX8 };
+enum { IQ4_NL = Q6_KX8 + 1, IQ4_NLX8, IQ4_XS, IQ4_XSX8, Q2_KX8, Q3_KX8 };
 // the types q4_x8 reads, and all the interleaved ones
 #define Q4_X8_KIND(kind) ((kind) == Q4_0X8 || (kind) == Q4_1X8 || (kind) == Q5_0X8 || (kind) == Q5_1X8)
 #define K4_X8_KIND(kind) ((kind) == Q4_KX8 || (kind) == Q5_KX8)  // the types q4k_x8 reads
 #define IQ4_X8_KIND(kind) ((kind) == IQ4_NLX8 || (kind) == IQ4_XSX8)  // the types iq4_x8 reads
-#define X8_KIND(kind) (Q4_X8_KIND(kind) || (kind) == Q8_0X8 || K4_X8_KIND(kind) || (kind) == Q6_KX8 || IQ4_X8_KIND(kind))
+#define K23_X8_KIND(kind) ((kind) == Q2_KX8 || (kind) == Q3_KX8)     // the types q23k_x8 reads
+#define X8_KIND(kind) \
+  (Q4_X8_KIND(kind) || (kind) == Q8_0X8 || K4_X8_KIND(kind) || (kind) == Q6_KX8 || IQ4_X8_KIND(kind) || K23_X8_KIND(kind))
 // IQ4_NL and IQ4_XS: 4-bit indices into a table of signed values (iq4_values), x quantized per 32
 // values as for Q8_0; IQ4_XS's blocks of 32 take their scales from 6 bits each per 256 values
 #define IQ4_ROW_KIND(kind) ((kind) == IQ4_NL || (kind) == IQ4_XS)
@@ -282,7 +284,7 @@ enum { IQ4_NL = Q6_KX8 + 1, IQ4_NLX8, IQ4_XS, IQ4_XSX8 };
 #define FIFTH_BITS(kind) ((kind) == Q5_0 || (kind) == Q5_1)  // q of 5 bits, the fifth in qh (row at a time)
 #define X_PER_256(kind) \
   ((kind) == Q4_K || (kind) == Q5_K || (kind) == Q6_K || K4_X8_KIND(kind) || (kind) == Q6_KX8 || (kind) == Q3_K || \
-   (kind) == Q2_K)
+   (kind) == Q2_K || K23_X8_KIND(kind))
 
 // For one row of w with block scales d (and offsets m, Q4_1 and Q5_1): cs[i, b] = d[b] xd[i, b] for
 // the MC rows i of x, and in off[i] the offset term: sum over blocks of the block's offset (Q4_0:
@@ -1152,9 +1154,10 @@ INLINE __m256 swiglu8(__m256 g, __m256 u) {
 // the product for mc rows of x fetches them (PREFETCH bytes ahead, or in two steps), and a byte of
 // its scales (and offsets), fetched ahead as the Q4 x8 loops fetch them.
 NOINLINE void read_rows(int kind, const matrix *w, size_t n, size_t rows, size_t mc, size_t K) {
-  size_t B = K / 32, block = rows * (FLOAT_WEIGHTS(kind) ? 64 : kind == Q8_0 || kind == Q8_0X8 ? 32 : 16);
+  const int two_bits = kind == Q2_K || kind == Q3_K || K23_X8_KIND(kind);  // their low bits (Q3_K's hmask unread)
+  size_t B = K / 32, block = rows * (FLOAT_WEIGHTS(kind) ? 64 : kind == Q8_0 || kind == Q8_0X8 ? 32 : two_bits ? 8 : 16);
   const uint8_t *qs = (const uint8_t *)w->qs + n * B * (block / rows);
-  // of the K-quants, only the 4-bit values (their scales are per 256 values)
+  // of the K-quants, only the values' low 4 or 2 bits (their scales are per 256 values)
   const int per_block = !FLOAT_WEIGHTS(kind) && !X_PER_256(kind) && !IQ4_XS_KIND(kind);
   const uint8_t *d = per_block ? (const uint8_t *)(w->d + n * B) : 0;
   const uint8_t *m = per_block && w->m ? (const uint8_t *)(w->m + n * B) : 0;
@@ -1424,6 +1427,18 @@ INLINE __m256i byte_in_halves(__m256i v, int k) {
     s16##i = _mm256_setzero_si256();                                   \
   }
 
+// Lane r: the sum over p of x's sums of 16 bs[2p], bs[2p + 1] (a super-block's) times the 16-bit
+// halves of lane r of f[p]: the eight-row AVX2 K-quant loops' mins and offsets.
+INLINE __m256i x8_sums_of_16(const __m256i f[8], const int16_t *bs) {
+  __m256i t = _mm256_setzero_si256();
+  for (size_t p = 0; p < 8; ++p) {
+    int32_t pair;
+    __builtin_memcpy(&pair, bs + 2 * p, 4);
+    t = _mm256_add_epi32(t, _mm256_madd_epi16(f[p], _mm256_set1_epi32(pair)));
+  }
+  return t;
+}
+
 // Rows 0..7 of a Q4_KX8 or Q5_KX8 group times MC rows of x (quantized per 256 values in ws):
 // out[i][r]. Q5_K's qh is interleaved as qs: its chunk l holds the fifth bits of the values of
 // qs's chunks l, 8 + l, 16 + l and 24 + l (bit k: sub-block k's), and with values to 31 a
@@ -1467,13 +1482,7 @@ INLINE void q4k_x8(const workspace *ws, int kind, const uint8_t *qs, const uint8
     for (size_t k = 0; k < 8; ++k) mk[k] = byte_in_halves(mn[k / 4], (int)(k % 4));
 #define ROW(i)                                                                                                   \
   if (i < MC) {                                                                                                  \
-    const int16_t *bs = ws->bs + i * (K / 16) + 16 * s;                                                          \
-    __m256i mins = _mm256_setzero_si256();                                                                       \
-    for (size_t k = 0; k < 8; ++k) {                                                                             \
-      int32_t pair;                                                                                              \
-      __builtin_memcpy(&pair, bs + 2 * k, 4);                                                                    \
-      mins = _mm256_add_epi32(mins, _mm256_madd_epi16(mk[k], _mm256_set1_epi32(pair)));                          \
-    }                                                                                                            \
+    __m256i mins = x8_sums_of_16(mk, ws->bs + i * (K / 16) + 16 * s);                                            \
     __m256 xd = _mm256_broadcast_ss(ws->xd + i * S + s);                                                         \
     acc##i = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si##i), _mm256_mul_ps(dv, xd), acc##i);                          \
     acc##i = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(mv, xd), acc##i);                          \
@@ -1605,6 +1614,17 @@ INLINE __m256i sbyte_pairs(__m256i v, int b) {
   return _mm256_srai_epi16(_mm256_shuffle_epi8(v, _mm256_setr_m128i(at, at)), 8);
 }
 
+// The AVX2 16-value sub-block loops' step (q6k_x8, q23k_x8): chunk l (of 4) of sub-block j of
+// super-block s, its values q, into each row of x's 16-bit sums, those taken into 32 bits by the
+// sub-block's scale every two chunks.
+#define K16_X8_SUMS(i) K_X8_PAIR_SUMS(i, ws->q + i * K + 256 * s + 16 * j + 4 * l)
+#define K16_X8_SCALED(i) K_X8_SCALED(i, scale)
+#define K16_X8_STEP          \
+  ROWS_OF_X(K16_X8_SUMS)     \
+  if (l & 1) {               \
+    ROWS_OF_X(K16_X8_SCALED) \
+  }
+
 // Rows 0..7 of a Q6_KX8 group times MC rows of x (quantized per 256 values in ws): out[i][r]. Per
 // sub-block of 16 values and row of x, 4 `maddubs` and adds in 16 bits (at most 2 * 2 * 63 * 127
 // before each `madd` by the scales), as q4k_x8.
@@ -1632,14 +1652,7 @@ INLINE void q6k_x8(const workspace *ws, const uint8_t *ql, const uint8_t *qh, co
         __m256i t = load32(hq + 32 * l);  // bits 2k, 2k + 1 to 4, 5
         __m256i top = k < 2 ? _mm256_slli_epi16(t, (int)(4 - 2 * k)) : _mm256_srli_epi16(t, (int)(2 * k - 4));
         q = _mm256_or_si256(q, _mm256_and_si256(top, top2));
-#define ROW(i) K_X8_PAIR_SUMS(i, ws->q + i * K + 256 * s + 16 * j + 4 * l)
-        ROWS_OF_X(ROW)
-#undef ROW
-        if (l & 1) {
-#define ROW(i) K_X8_SCALED(i, scale)
-          ROWS_OF_X(ROW)
-#undef ROW
-        }
+        K16_X8_STEP
       }
     }
     __m256i sp[8];  // lane r: row r's scales of sub-blocks 2p and 2p + 1, for x's two sums of 16
@@ -1647,13 +1660,7 @@ INLINE void q6k_x8(const workspace *ws, const uint8_t *ql, const uint8_t *qh, co
     __m256 dv = halves8(d + 8 * s);
 #define ROW(i)                                                                                                   \
   if (i < MC) {                                                                                                  \
-    const int16_t *bs = ws->bs + i * (K / 16) + 16 * s;                                                          \
-    __m256i bias = _mm256_setzero_si256();                                                                       \
-    for (size_t p = 0; p < 8; ++p) {                                                                             \
-      int32_t pair;                                                                                              \
-      __builtin_memcpy(&pair, bs + 2 * p, 4);                                                                    \
-      bias = _mm256_add_epi32(bias, _mm256_madd_epi16(sp[p], _mm256_set1_epi32(pair)));                          \
-    }                                                                                                            \
+    __m256i bias = x8_sums_of_16(sp, ws->bs + i * (K / 16) + 16 * s);                                            \
     __m256i total = _mm256_sub_epi32(si##i, _mm256_slli_epi32(bias, 5));                                         \
     acc##i = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(dv, _mm256_broadcast_ss(ws->xd + i * S + s)), \
                              acc##i);                                                                            \
@@ -1682,6 +1689,19 @@ INLINE __m512i scale_pairs(__m512i v) {
   const __m512i at = _mm512_set4_epi32((int)0x0F800E80, (int)0x09800880, (int)0x07800680, (int)0x01800080);
   return _mm512_srai_epi16(_mm512_shuffle_epi8(v, at), 8);
 }
+
+// The VNNI 16-value sub-block loops' step for row i of x (q6k_x8_zmm, q23k_x8_zmm): value group g
+// of super-block s, its values w[4] in pair lanes (w[0], w[1]: sub-block 2g; w[2], w[3]: 2g + 1),
+// times x into 32-bit sums, those times the rows' scales of the two sub-blocks into si_i.
+#define K16_X8_ZMM_ROW(i)                                                                                      \
+  if (i < MC) {                                                                                                \
+    const int8_t *xq = ws->q + i * K + 256 * s + 32 * g;                                                       \
+    __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], broadcast8(xq));                             \
+    __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[2], broadcast8(xq + 16));                        \
+    a = _mm512_dpbusd_epi32(a, w[1], broadcast8(xq + 8));                                                      \
+    b = _mm512_dpbusd_epi32(b, w[3], broadcast8(xq + 24));                                                     \
+    si##i = _mm512_add_epi32(si##i, _mm512_add_epi32(_mm512_mullo_epi32(a, scale_a), _mm512_mullo_epi32(b, scale_b))); \
+  }
 
 INLINE void q6k_x8_zmm(const workspace *ws, const uint8_t *ql, const uint8_t *qh, const uint16_t *d,
                        const uint8_t *scales, size_t MC, size_t K, float out[MAX_M][8]) {
@@ -1713,17 +1733,7 @@ INLINE void q6k_x8_zmm(const workspace *ws, const uint8_t *ql, const uint8_t *qh
           }
           const __m512i scale_a = sbyte_of_words(sc[g / 2], (int)(2 * (g % 2)));
           const __m512i scale_b = sbyte_of_words(sc[g / 2], (int)(2 * (g % 2) + 1));
-#define ROW(i)                                                                                                 \
-  if (i < MC) {                                                                                                \
-    const int8_t *xq = ws->q + i * K + 256 * s + 32 * g;                                                       \
-    __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], broadcast8(xq));                             \
-    __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[2], broadcast8(xq + 16));                        \
-    a = _mm512_dpbusd_epi32(a, w[1], broadcast8(xq + 8));                                                      \
-    b = _mm512_dpbusd_epi32(b, w[3], broadcast8(xq + 24));                                                     \
-    si##i = _mm512_add_epi32(si##i, _mm512_add_epi32(_mm512_mullo_epi32(a, scale_a), _mm512_mullo_epi32(b, scale_b))); \
-  }
-          ROWS_OF_X(ROW)
-#undef ROW
+          ROWS_OF_X(K16_X8_ZMM_ROW)
         }
       }
     }
@@ -1752,6 +1762,166 @@ INLINE void q6k_x8_zmm(const workspace *ws, const uint8_t *ql, const uint8_t *qh
     Q6K_X8_LOOP(ws, ql, qh, d, scales, MC, K, out);                                                           \
   }
 FOR_EACH_ROW_COUNT(Q6K_X8_AT)
+
+// Q2_K and Q3_K with rows interleaved eight at a time (Q2_KX8, Q3_KX8): per group of eight rows and
+// super-block, qs is 16 chunks of 32 bytes (chunk c: bytes 4c .. 4c + 3 of the eight rows' 64, so
+// chunks 8h .. 8h + 7 hold half h's bytes l = 0..31, whose bits 2k, 2k + 1 are value 128 h + 32 k +
+// l: see q23k_row), Q3_K's hmask 8 chunks (bit 4h + k of byte l: that value's third bit), the
+// scales 3 (Q3_K) or 4 (Q2_K) chunks, and d (Q2_K's dmin) the rows' values side by side. Value
+// group g = 4h + k is sub-blocks 2g and 2g + 1 as Q6_K's value group g is, so the loops are
+// q6k_x8's with these values: Q3_K's 0..7 less 4 (x's sums of 16 times the scales, times 4), Q2_K's
+// 0..3 less the mins (x's sums times the mins, times dmin).
+
+// The eight rows' sixteen scales of a super-block: lane r of sc[t] holds row r's scales 4t ..
+// 4t + 3 as signed bytes (Q3_K: k3_scales of each row; Q2_K: its bytes' low nibbles), of mn[t]
+// Q2_K's mins (the high nibbles).
+INLINE void k23_scales_x8(int kind, const uint8_t *scales, __m256i sc[4], __m256i mn[4]) {
+  const __m256i low4 = _mm256_set1_epi8(15), low2 = _mm256_set1_epi8(3);
+  if (kind == Q2_KX8) {
+    for (size_t t = 0; t < 4; ++t) {
+      __m256i b = load32(scales + 32 * t);
+      sc[t] = _mm256_and_si256(b, low4);
+      mn[t] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+    }
+    return;
+  }
+  __m256i u0 = load32(scales), u1 = load32(scales + 32), u2 = load32(scales + 64);
+  for (size_t t = 0; t < 4; ++t) {  // the low 4 bits from u0 or u1, the top 2 from u2, as k3_scales
+    __m256i low = _mm256_and_si256(t & 2 ? _mm256_srli_epi16(t & 1 ? u1 : u0, 4) : t & 1 ? u1 : u0, low4);
+    __m256i top = _mm256_and_si256(_mm256_srli_epi16(u2, (int)(2 * t)), low2);
+    sc[t] = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(top, 4)), _mm256_set1_epi8(32));
+    mn[t] = _mm256_setzero_si256();
+  }
+}
+
+// Rows 0..7 of a Q2_KX8 or Q3_KX8 group times MC rows of x (quantized per 256 values in ws):
+// out[i][r]. Per sub-block of 16 values and row of x, 4 `maddubs` and adds in 16 bits (at most
+// 2 * 2 * 7 * 127 before each `madd` by the scales), as q6k_x8.
+INLINE void q23k_x8(const workspace *ws, int kind, const uint8_t *qs, const uint8_t *hmask, const uint16_t *d,
+                    const uint16_t *dmin, const uint8_t *scales, size_t MC, size_t K, float out[MAX_M][8]) {
+  size_t S = K / 256;
+  const int three = kind == Q3_KX8;
+  const __m256i low2 = _mm256_set1_epi8(3), third = _mm256_set1_epi8(4);
+  EIGHT(__m256, acc, _mm256_setzero_ps());
+  for (size_t s = 0; s < S; ++s, qs += 512, hmask += three ? 256 : 0, scales += three ? 96 : 128) {
+    __m256i sc[4], mn[4];
+    k23_scales_x8(kind, scales, sc, mn);
+    EIGHT(__m256i, si, _mm256_setzero_si256());
+#pragma GCC unroll 16  // so that the shifts by k are constants
+    for (size_t j = 0; j < 16; ++j) {  // sub-block j: the first or second half (j % 2) of value group j / 2
+      const size_t g = j / 2, h = g / 4, k = g % 4;
+      const uint8_t *lq = qs + 256 * h + 128 * (j % 2), *hq = hmask + 128 * (j % 2);
+      for (size_t line = 0; line < 128; line += 64) {
+        if (k == 0) PREFETCH_TWO_STEPS(lq + line);  // qs's chunks serve the half's four value groups
+        if (three && g == 0) PREFETCH_TWO_STEPS(hq + line);
+      }
+      const __m256i scale = sbyte_in_halves(sc[j / 4], (int)(j % 4));
+      EIGHT(__m256i, s16, _mm256_setzero_si256());
+      for (size_t l = 0; l < 4; ++l) {
+        __m256i q = _mm256_and_si256(_mm256_srli_epi16(load32(lq + 32 * l), (int)(2 * k)), low2);
+        if (three) {  // bit 4h + k of hmask's bytes to bit 2
+          const int bit = (int)(4 * h + k);
+          __m256i t = load32(hq + 32 * l);
+          t = bit >= 2 ? _mm256_srli_epi16(t, bit - 2) : _mm256_slli_epi16(t, 2 - bit);
+          q = _mm256_or_si256(q, _mm256_and_si256(t, third));
+        }
+        K16_X8_STEP
+      }
+    }
+    __m256i sp[8];  // lane r: row r's scales (Q2_K: mins) of sub-blocks 2p and 2p + 1, for x's two sums of 16
+    for (size_t p = 0; p < 8; ++p) sp[p] = sbyte_pairs(three ? sc[p / 2] : mn[p / 2], (int)(2 * (p % 2)));
+    __m256 dv = halves8(d + 8 * s), mv = three ? _mm256_setzero_ps() : halves8(dmin + 8 * s);
+#define ROW(i)                                                                                                   \
+  if (i < MC) {                                                                                                  \
+    __m256i sums = x8_sums_of_16(sp, ws->bs + i * (K / 16) + 16 * s);                                            \
+    __m256 xd = _mm256_broadcast_ss(ws->xd + i * S + s);                                                         \
+    if (three) si##i = _mm256_sub_epi32(si##i, _mm256_slli_epi32(sums, 2));                                      \
+    acc##i = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si##i), _mm256_mul_ps(dv, xd), acc##i);                          \
+    if (!three) acc##i = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(mv, xd), acc##i);              \
+  }
+    ROWS_OF_X(ROW)
+#undef ROW
+  }
+  SUMS_ARRAY(__m256, acc);
+  group_outputs(acc, MC, out);
+}
+
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// Q2_KX8 and Q3_KX8 with AVX-512 VNNI, as q6k_x8_zmm: a half's qs (and Q3_K's hmask) are loaded
+// once for its four value groups, a sub-block's 16 values meet a row of x in two `vpdpbusd`.
+#define Q23K_X8_LOOP q23k_x8_zmm
+
+INLINE void q23k_x8_zmm(const workspace *ws, int kind, const uint8_t *qs, const uint8_t *hmask, const uint16_t *d,
+                        const uint16_t *dmin, const uint8_t *scales, size_t MC, size_t K, float out[MAX_M][8]) {
+  size_t S = K / 256;
+  const int three = kind == Q3_KX8;
+  const __m512i low2 = _mm512_set1_epi8(3), third = _mm512_set1_epi8(4);
+  EIGHT(__m512, acc, _mm512_setzero_ps());
+  EIGHT(__m256, off, _mm256_setzero_ps());
+  for (size_t s = 0; s < S; ++s, qs += 512, hmask += three ? 256 : 0, scales += three ? 96 : 128) {
+    __m256i sc8[4], mn8[4];
+    k23_scales_x8(kind, scales, sc8, mn8);
+    const __m512i sc[4] = {pair_words(sc8[0]), pair_words(sc8[1]), pair_words(sc8[2]), pair_words(sc8[3])};
+    EIGHT(__m512i, si, _mm512_setzero_si512());
+    __m512i top[4];
+    if (three) {
+      for (size_t line = 0; line < 256; line += 64) PREFETCH_TWO_STEPS(hmask + line);
+      for (size_t j = 0; j < 4; ++j) top[j] = pair_chunks(_mm512_loadu_si512(hmask + 64 * j));
+    }
+    for (size_t h = 0; h < 2; ++h) {
+      const uint8_t *lq = qs + 256 * h;
+      for (size_t line = 0; line < 256; line += 64) PREFETCH_TWO_STEPS(lq + line);
+      __m512i v[4];
+      for (size_t j = 0; j < 4; ++j) v[j] = pair_chunks(_mm512_loadu_si512(lq + 64 * j));
+#pragma GCC unroll 4
+      for (size_t k = 0; k < 4; ++k) {  // so that the shifts by k are constants
+        const size_t g = 4 * h + k;
+        const int bit = (int)g;  // Q3_K: bit 4h + k of hmask's bytes to bit 2: a | (b & c)
+        __m512i w[4];
+        for (size_t j = 0; j < 4; ++j) {
+          w[j] = _mm512_and_si512(_mm512_srli_epi16(v[j], (int)(2 * k)), low2);
+          if (three)
+            w[j] = _mm512_ternarylogic_epi32(
+                w[j], bit >= 2 ? _mm512_srli_epi16(top[j], bit - 2) : _mm512_slli_epi16(top[j], 2 - bit), third, 0xF8);
+        }
+        const __m512i scale_a = sbyte_of_words(sc[g / 2], (int)(2 * (g % 2)));
+        const __m512i scale_b = sbyte_of_words(sc[g / 2], (int)(2 * (g % 2) + 1));
+        ROWS_OF_X(K16_X8_ZMM_ROW)
+      }
+    }
+    // scale_pairs of the scales (Q3_K) or of the mins (Q2_K), for x's sums of 16
+    const __m512i sp[4] = {scale_pairs(three ? sc[0] : pair_words(mn8[0])), scale_pairs(three ? sc[1] : pair_words(mn8[1])),
+                           scale_pairs(three ? sc[2] : pair_words(mn8[2])), scale_pairs(three ? sc[3] : pair_words(mn8[3]))};
+    __m512 dv = pair_scales(halves8(d + 8 * s)), mv = three ? _mm512_setzero_ps() : pair_scales(halves8(dmin + 8 * s));
+#define ROW(i)                                                                                                 \
+  if (i < MC) {                                                                                                \
+    const int8_t *bs = (const int8_t *)(ws->bs + i * (K / 16) + 16 * s); /* 4 sums of 16 per 4 sub-blocks */   \
+    __m512i sums = _mm512_dpwssd_epi32(_mm512_setzero_si512(), sp[0], broadcast8(bs));                         \
+    for (size_t t = 1; t < 4; ++t) sums = _mm512_dpwssd_epi32(sums, sp[t], broadcast8(bs + 8 * t));            \
+    __m512 xd = _mm512_set1_ps(ws->xd[i * S + s]);                                                             \
+    if (three) si##i = _mm512_sub_epi32(si##i, _mm512_slli_epi32(sums, 2));                                    \
+    acc##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si##i), _mm512_mul_ps(dv, xd), acc##i);                        \
+    if (!three) acc##i = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(mv, xd), acc##i);            \
+  }
+    ROWS_OF_X(ROW)
+#undef ROW
+  }
+  PAIR_OUTPUTS;
+}
+#else
+#define Q23K_X8_LOOP q23k_x8
+#endif
+
+#define Q23K_X8_AT(MC) /* as Q4K_X8_AT */                                                                      \
+  NOINLINE void q23k_x8_##MC(const workspace *ws, int kind, const uint8_t *qs, const uint8_t *hmask,          \
+                             const uint16_t *d, const uint16_t *dmin, const uint8_t *scales, size_t K,         \
+                             float out[MAX_M][8]) {                                                            \
+    if (kind == Q3_KX8)                                                                                        \
+      Q23K_X8_LOOP(ws, Q3_KX8, qs, hmask, d, 0, scales, MC, K, out);                                           \
+    else                                                                                                       \
+      Q23K_X8_LOOP(ws, Q2_KX8, qs, 0, d, dmin, scales, MC, K, out);                                            \
+  }
+FOR_EACH_ROW_COUNT(Q23K_X8_AT)
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 // The K-quants a row at a time with AVX-512 VNNI (q4k_row's, q6k_row's and q23k_row's sums): a
@@ -1937,6 +2107,15 @@ INLINE void some_rows(int kind, workspace *ws, const float *x, const matrix *w, 
     size_t S = K / 256;
 #define ROW(MC) AT_ROWS(q6k_x8, MC)(ws, (const uint8_t *)w->qs + n * (K / 2), w->h + n * (K / 4), w->d + n * S, \
                                      w->s + n * S * 16, K, out)
+    FOR_CONSTANT_MC(mc, ROW)
+#undef ROW
+    return;
+  }
+  if (K23_X8_KIND(kind)) {
+    size_t S = K / 256;
+#define ROW(MC) AT_ROWS(q23k_x8, MC)(ws, kind, (const uint8_t *)w->qs + n * (K / 4), w->h ? w->h + n * (K / 8) : 0, \
+                                      w->d + n * S, w->m ? w->m + n * S : 0, w->s + n * S * (kind == Q3_KX8 ? 12 : 16), \
+                                      K, out)
     FOR_CONSTANT_MC(mc, ROW)
 #undef ROW
     return;
@@ -2192,6 +2371,10 @@ INLINE void matvec(int kind, int op, const float *x, const float *g, float eps, 
 #define MAT_IQ4_XS(p, rows) {BASE(p##qs), BASE(p##d), BASE(p##sh), rows, 0, BASE(p##sl)}  // scales_h as m, scales_l as s
 #define ARGS_IQ4_XSX8 ARGS_IQ4_XS
 #define MAT_IQ4_XSX8 MAT_IQ4_XS
+#define ARGS_Q2_KX8 ARGS_Q2_K
+#define MAT_Q2_KX8 MAT_Q2_K
+#define ARGS_Q3_KX8 ARGS_Q3_K
+#define MAT_Q3_KX8 MAT_Q3_K
 #define X_ARG MEMREF(const float, x)
 #define NORM_ARG MEMREF(const float, g)
 #define N_ARGS size_t M, size_t N, size_t K, size_t rows, size_t wg
@@ -2252,6 +2435,8 @@ DEFINE_KERNELS(IQ4_NL, iq4_nl)
 DEFINE_KERNELS(IQ4_NLX8, iq4_nlx8)
 DEFINE_KERNELS(IQ4_XS, iq4_xs)
 DEFINE_KERNELS(IQ4_XSX8, iq4_xsx8)
+DEFINE_KERNELS(Q2_KX8, q2_kx8)
+DEFINE_KERNELS(Q3_KX8, q3_kx8)
 #undef X_ARG
 #undef NORM_ARG
 #undef N_ARGS

@@ -113,7 +113,8 @@ BLOCK_TYPES: dict[str, BlockType] = {
 
 SUPPORTED_TYPES = tuple(PLAIN_TYPES) + tuple(BLOCK_TYPES)
 
-ROW_INTERLEAVED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+ROW_INTERLEAVED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
+                         "IQ4_XS")
 INTERLEAVED_ROWS = 8
 
 
