@@ -1501,6 +1501,18 @@ INLINE void q4k_x8(const workspace *ws, int kind, const uint8_t *qs, const uint8
 // 63 times that after), and the mins meet x's sums of 16 in one `vpdpwssd` per two sub-blocks.
 #define Q4K_X8_LOOP q4k_x8_zmm
 
+// The K-quants' VNNI loops (q4k_x8_zmm, q6k_x8_zmm, q23k_x8_zmm) at one row of x fetch each line
+// once, into L1 and further ahead than NEAR_AHEAD: they run through a group's weights faster than
+// the two steps keep up with (decode bs1 of the K-quant mixtures); at more rows, in two steps.
+#define ONE_ROW_AHEAD 3072
+#define PREFETCH_K_X8(p)                                            \
+  do {                                                              \
+    if (MC == 1)                                                    \
+      _mm_prefetch((const char *)(p) + ONE_ROW_AHEAD, _MM_HINT_T0); \
+    else                                                            \
+      PREFETCH_TWO_STEPS(p);                                        \
+  } while (0)
+
 // Lanes 2r and 2r + 1: lane r of v (a 32-bit word of each of the eight rows).
 INLINE __m512i pair_words(__m256i v) {
   return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
@@ -1531,7 +1543,7 @@ INLINE void q4k_x8_zmm(const workspace *ws, int kind, const uint8_t *qs, const u
     EIGHT(__m512i, si, _mm512_setzero_si512());
     for (size_t c = 0; c < 4; ++c) {  // sub-blocks 2c (low nibbles) and 2c + 1 (high) of chunks 8c .. 8c + 7
       const uint8_t *chunk = qs + 256 * c;
-      for (size_t line = 0; line < 256; line += 64) PREFETCH_TWO_STEPS(chunk + line);
+      for (size_t line = 0; line < 256; line += 64) PREFETCH_K_X8(chunk + line);
       __m512i lo[4], hi[4];
       for (size_t j = 0; j < 4; ++j) {
         __m512i v = pair_chunks(_mm512_loadu_si512(chunk + 64 * j));
@@ -1715,11 +1727,11 @@ INLINE void q6k_x8_zmm(const workspace *ws, const uint8_t *ql, const uint8_t *qh
     EIGHT(__m512i, si, _mm512_setzero_si512());
     for (size_t h = 0; h < 2; ++h) {  // each half's qh and ql chunks are loaded once, for its four value groups
       __m512i top[4];
-      for (size_t line = 0; line < 256; line += 64) PREFETCH_TWO_STEPS(qh + 256 * h + line);
+      for (size_t line = 0; line < 256; line += 64) PREFETCH_K_X8(qh + 256 * h + line);
       for (size_t j = 0; j < 4; ++j) top[j] = pair_chunks(_mm512_loadu_si512(qh + 256 * h + 64 * j));
       for (size_t odd = 0; odd < 2; ++odd) {  // value groups 4h + odd (low nibbles) and 4h + odd + 2 (high)
         const uint8_t *lq = ql + 512 * h + 256 * odd;
-        for (size_t line = 0; line < 256; line += 64) PREFETCH_TWO_STEPS(lq + line);
+        for (size_t line = 0; line < 256; line += 64) PREFETCH_K_X8(lq + line);
         __m512i v[4];
         for (size_t j = 0; j < 4; ++j) v[j] = pair_chunks(_mm512_loadu_si512(lq + 64 * j));
 #pragma GCC unroll 2
@@ -1865,12 +1877,12 @@ INLINE void q23k_x8_zmm(const workspace *ws, int kind, const uint8_t *qs, const 
     EIGHT(__m512i, si, _mm512_setzero_si512());
     __m512i top[4];
     if (three) {
-      for (size_t line = 0; line < 256; line += 64) PREFETCH_TWO_STEPS(hmask + line);
+      for (size_t line = 0; line < 256; line += 64) PREFETCH_K_X8(hmask + line);
       for (size_t j = 0; j < 4; ++j) top[j] = pair_chunks(_mm512_loadu_si512(hmask + 64 * j));
     }
     for (size_t h = 0; h < 2; ++h) {
       const uint8_t *lq = qs + 256 * h;
-      for (size_t line = 0; line < 256; line += 64) PREFETCH_TWO_STEPS(lq + line);
+      for (size_t line = 0; line < 256; line += 64) PREFETCH_K_X8(lq + line);
       __m512i v[4];
       for (size_t j = 0; j < 4; ++j) v[j] = pair_chunks(_mm512_loadu_si512(lq + 64 * j));
 #pragma GCC unroll 4
