@@ -1901,9 +1901,8 @@ INLINE void q23k_x8_zmm(const workspace *ws, int kind, const uint8_t *qs, const 
         ROWS_OF_X(K16_X8_ZMM_ROW)
       }
     }
-    // scale_pairs of the scales (Q3_K) or of the mins (Q2_K), for x's sums of 16
-    const __m512i sp[4] = {scale_pairs(three ? sc[0] : pair_words(mn8[0])), scale_pairs(three ? sc[1] : pair_words(mn8[1])),
-                           scale_pairs(three ? sc[2] : pair_words(mn8[2])), scale_pairs(three ? sc[3] : pair_words(mn8[3]))};
+    __m512i sp[4];  // scale_pairs of the scales (Q3_K) or of the mins (Q2_K), for x's sums of 16
+    for (size_t t = 0; t < 4; ++t) sp[t] = scale_pairs(pair_words(three ? sc8[t] : mn8[t]));
     __m512 dv = pair_scales(halves8(d + 8 * s)), mv = three ? _mm512_setzero_ps() : pair_scales(halves8(dmin + 8 * s));
 #define ROW(i)                                                                                                 \
   if (i < MC) {                                                                                                \
