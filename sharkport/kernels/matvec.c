@@ -628,23 +628,45 @@ INLINE void pair_outputs(const __m512 *acc, const __m256 *off, size_t MC, float 
     ADD_BLOCK(i, s, mv);                                                                                  \
   }
 
+// Q5_0X8's and Q5_1X8's fifth bits of 8 values of each of the eight rows, added to their nibbles v
+// (pair lanes): h holds rows 2L and 2L + 1's 32 bits in 128-bit lane L (fifth_bits_lanes), and
+// byte 8r + t of v takes bit t of byte `at` of row r's.
+INLINE __m512i fifth_bits_lanes(const uint8_t *qh) {
+  return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7),
+                                  _mm512_castsi256_si512(load32(qh)));
+}
+INLINE __m512i add_fifth_bits(__m512i v, __m512i h, int at) {
+  const long long second = 0x0404040404040404LL;  // row 2L + 1's bytes lie 4 after row 2L's
+  const __m512i bytes = _mm512_add_epi8(_mm512_setr_epi64(0, second, 0, second, 0, second, 0, second), _mm512_set1_epi8((char)at));
+  __mmask64 set = _mm512_test_epi8_mask(_mm512_shuffle_epi8(h, bytes), _mm512_set1_epi64(0x8040201008040201LL));
+  return _mm512_mask_add_epi8(v, set, v, _mm512_set1_epi8(16));
+}
+
 INLINE void q4_x8_zmm(const workspace *ws, int kind, const uint8_t *qs, const uint16_t *d, const uint16_t *m,
                       const uint8_t *qh, size_t MC, size_t K, float out[MAX_M][8]) {
-  (void)qh;  // Q4 only: Q5_0X8 takes q4_x8
   size_t B = K / 32;
+  const int five = kind == Q5_0X8 || kind == Q5_1X8, offsets = kind == Q4_1X8 || kind == Q5_1X8;
   const __m512i low4 = _mm512_set1_epi8(15);
   EIGHT(__m512, acc, _mm512_setzero_ps());
   EIGHT(__m256, off, _mm256_setzero_ps());
   for (size_t b = 0; b < B; ++b, qs += 128) {
     PREFETCH_TWO_STEPS(qs);
     PREFETCH_TWO_STEPS(qs + 64);
-    PREFETCH_PLANES(d, m, b);  // m: null for Q4_0
+    PREFETCH_PLANES(d, m, b);  // m: null for Q4_0 and Q5_0
     __m512i v0 = pair_chunks(_mm512_loadu_si512(qs)), v1 = pair_chunks(_mm512_loadu_si512(qs + 64));
     __m512i lo0 = _mm512_and_si512(v0, low4), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low4);
     __m512i lo1 = _mm512_and_si512(v1, low4), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low4);
+    if (five) {  // values 0..7 of each row: bits 0..7 of its 32; 8..15: 8..15; 16..23 and 24..31 likewise
+      if (!(b & 1)) PREFETCH_TWO_STEPS(qh + 32 * b);
+      __m512i h = fifth_bits_lanes(qh + 32 * b);
+      lo0 = add_fifth_bits(lo0, h, 0);
+      lo1 = add_fifth_bits(lo1, h, 1);
+      hi0 = add_fifth_bits(hi0, h, 2);
+      hi1 = add_fifth_bits(hi1, h, 3);
+    }
     __m256 d8 = halves8(d + 8 * b);
     __m512 dv = pair_scales(d8);
-    __m256 mv = kind == Q4_1X8 ? halves8(m + 8 * b) : _mm256_mul_ps(d8, _mm256_set1_ps(-8.0f));
+    __m256 mv = offsets ? halves8(m + 8 * b) : _mm256_mul_ps(d8, _mm256_set1_ps(offset_scale(kind)));
     ROWS_OF_X(NIBBLE_BLOCK)
   }
   PAIR_OUTPUTS;
@@ -692,16 +714,10 @@ INLINE void q8_x8_zmm(const workspace *ws, const int8_t *qs, const uint16_t *d, 
 // q4_x8 for each row count MC of x in a function of its own, so that its loop's registers do not
 // compete with those of matvec's loop over the outputs (the same for the four-row loop this
 // replaced: SmolLM2 Q4_1 decode bs4 12.10 -> 11.48 ms).
-// Q5_0X8 and Q5_1X8 take the AVX2 loop in either object.
-#define Q4_X8_AT(MC)                                                                                     \
-  NOINLINE void q4_x8_##MC(const workspace *ws, int kind, const uint8_t *qs, const uint16_t *d,        \
-                           const uint16_t *m, const uint8_t *qh, size_t K, float out[MAX_M][8]) {       \
-    if (kind == Q5_0X8)                                                                                  \
-      q4_x8(ws, Q5_0X8, qs, d, m, qh, MC, K, out);                                                       \
-    else if (kind == Q5_1X8)                                                                             \
-      q4_x8(ws, Q5_1X8, qs, d, m, qh, MC, K, out);                                                       \
-    else                                                                                                 \
-      Q4_X8_LOOP(ws, kind, qs, d, m, qh, MC, K, out);                                                      \
+#define Q4_X8_AT(MC)                                                                              \
+  NOINLINE void q4_x8_##MC(const workspace *ws, int kind, const uint8_t *qs, const uint16_t *d, \
+                           const uint16_t *m, const uint8_t *qh, size_t K, float out[MAX_M][8]) { \
+    Q4_X8_LOOP(ws, kind, qs, d, m, qh, MC, K, out);                                               \
   }
 FOR_EACH_ROW_COUNT(Q4_X8_AT)
 
