@@ -4,12 +4,13 @@ this process calling it in a loop, each sample named by the module function (IRE
 hand-written kernel) or library it fell in. Shares are of all the process's samples (IREE's
 workers and the calling thread):
 
-    python tools/profile_step.py [--type q4_1] [--function decode|prefill] [--batch 1]
+    python tools/profile_step.py [--model smollm2] [--type q4_1] [--function decode|prefill] [--batch 1]
                                  [--kv-cache-dtype float16] [--seconds 6] [--work-dir artifacts/bench]
                                  [--mlir edited-copy-of-the-bench-module.mlir]
 
-Needs the module and archive tools/bench.py writes (run it first; `--types q4_1` for one type),
-Linux `perf` and binutils (`readelf`, `nm`). Decode runs at positions 128 to 163, as the bench's.
+Needs the module and archive tools/bench.py writes (run it first, with the same --model and
+`--types TYPE`), Linux `perf` and binutils (`readelf`, `nm`). Decode runs at positions 128 to 163,
+as the bench's.
 
 IREE loads a module's executable (an ELF) into anonymous memory, where perf cannot name the
 functions. So the bench MLIR is compiled again with the same flags and
@@ -33,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import KV_SUFFIX, Subject
+from bench import KV_SUFFIX, MODELS, Subject
 
 from sharkport.compile import compile_mlir
 from sharkport.kernels import object_name, object_path, objects_named_by
@@ -113,7 +114,8 @@ def image_of(ips: list[int], mappings) -> tuple[int, int, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work-dir", type=Path, default=Path("artifacts/bench"))
-    parser.add_argument("--type", default="q4_1", choices=["q4_1", "q8_0", "f16"])
+    parser.add_argument("--model", choices=list(MODELS), default="smollm2", help="the bench's model (default smollm2)")
+    parser.add_argument("--type", default="q4_1", help="one of the types the bench measured (default q4_1)")
     parser.add_argument("--function", default="decode", choices=["decode", "prefill"])
     parser.add_argument("--batch", type=int, default=1, choices=[1, 4], help="decode's batch size (default 1)")
     parser.add_argument("--kv-cache-dtype", choices=list(KV_SUFFIX), default="float16",
@@ -126,12 +128,13 @@ def main() -> None:
         if not shutil.which(tool):
             raise SystemExit(f"profile_step: `{tool}` is not on PATH; install linux perf and binutils")
     kv = KV_SUFFIX[args.kv_cache_dtype]
-    stem = args.work_dir / f"smollm2-{args.type}"
+    stem = args.work_dir / f"{args.model}-{args.type}"
     mlir, cfg, irpa = args.mlir or Path(f"{stem}{kv}.mlir"), Path(f"{stem}{kv}.json"), Path(f"{stem}.irpa")
     for f in (mlir, cfg, irpa):
         if not f.exists():
             raise SystemExit(f"profile_step: {f} does not exist; make it with "
-                             f"`python tools/bench.py --types {args.type} --kv-cache-dtype {args.kv_cache_dtype}`")
+                             f"`python tools/bench.py --model {args.model} --types {args.type} "
+                             f"--kv-cache-dtype {args.kv_cache_dtype}`")
 
     linked = objects_named_by(mlir)  # the MLIR names the kernels object it was exported with
     if linked and object_name() not in linked:
