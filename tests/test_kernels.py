@@ -155,10 +155,12 @@ def _random_blocks(kind: str, n: int, k: int, rng) -> np.ndarray:
     """n rows of k values of `kind` as ggml stores them: random bytes (every bit pattern of a
     block's values and scales is valid), with each block's float16 scales (d, and dmin or m)
     random in sign and spread over five decades, so that blocks of very different size meet in a
-    row."""
+    row. (Q8_0's values stay in [-127, 127], as ggml's quantizers write them.)"""
     t = BLOCK_TYPES[kind]
     raw = rng.integers(0, 256, (n, k // t.block_size * t.type_size), dtype=np.uint8)
     blocks = raw.reshape(-1).view(t.struct)
+    if kind == "Q8_0":
+        blocks["qs"] = np.maximum(blocks["qs"], -127)
     for field in ("d", "dmin", "m"):
         if field in blocks.dtype.names:
             size = 10.0 ** rng.uniform(-5, 0, blocks.shape)
@@ -226,7 +228,8 @@ def test_x_per_256_is_llama_cpps_q8_k():
 
 def test_products_over_a_dynamic_row_count_equal_gguf_dequantization(isa, two_cpus, tmp_path):
     """Prefill's products: x of a dynamic row count, every kernel type in one module, run at 21
-    rows (two chunks of eight and five left) and at 3, the quantized types interleaved (80 rows).
+    rows (two chunks of eight and five left; quantized x in the dispatch's scratch) and at 3 (on
+    the workgroups' stacks), the quantized types interleaved (80 rows).
     BF16 shares F16's loops but for its conversion, so it is tested here alone: at 3 rows its rows
     of w go two at a time, at 21 eight rows of x at a time."""
     rng = np.random.default_rng(0)
@@ -236,7 +239,9 @@ def test_products_over_a_dynamic_row_count_equal_gguf_dequantization(isa, two_cp
             else quantize_array(rng.standard_normal((n, k)).astype(np.float32), kind) for kind in kinds]
     weights = [weight_from_raw(kind, (n, k), raw)
                for kind, raw in zip(kinds, raws)]
-    names = tuple(f"sharkport_matvec_{kind.lower()}" + ("x8" if kind in kernels.INTERLEAVED else "") for kind in kinds)
+    # quantized x of a dynamic row count goes in the dispatch's scratch
+    names = tuple(f"sharkport_matvec_{kind.lower()}" + ("x8" if kind in kernels.INTERLEAVED else "")
+                  + ("" if kind in kernels.FLOAT_KINDS else "_scratch") for kind in kinds)
     run_main = _compiled(_Products(weights), torch.zeros(21, k), tmp_path=tmp_path, kernel=names,
                          dynamic_shapes={"x": {0: torch.export.Dim("rows")}})
     for rows in (21, 3):
@@ -401,7 +406,7 @@ def test_prefill_products_normalize_x_of_any_row_count(two_cpus, tmp_path):
                for kind, raw in zip(kinds, raws)]
     g = torch.from_numpy(rng.uniform(0.5, 1.5, k).astype(np.float32))
     run_main = _compiled(_NormedProducts(weights, g, eps), torch.zeros(21, k), tmp_path=tmp_path,
-                         kernel=("sharkport_matvec_norm_q8_0x8", "sharkport_matvec_norm_q4_kx8",
+                         kernel=("sharkport_matvec_norm_q8_0x8_scratch", "sharkport_matvec_norm_q4_kx8_scratch",
                                  "sharkport_matvec_norm_f16"),
                          dynamic_shapes={"x": {0: torch.export.Dim("rows")}})
     reference = LlamaRMSNorm(k, eps=eps)
@@ -463,6 +468,66 @@ def test_row_kernels_normalize_x_fuse_and_add_the_residual(kind, two_cpus, tmp_p
     silu = ys[3] * 0.5 * (1 + np.tanh(ys[3] / 2))  # x sigmoid(x), without overflow at large |x|
     want = np.concatenate([*ys[:3], silu * ys[4], added], axis=1)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+class _Passes(torch.nn.Module):
+    """q, k, v and SwiGLU's gate and up of x, x times a matrix plus a residual r, and s normalized
+    then times a matrix (see _NormResidual), concatenated."""
+
+    def __init__(self, weights, g, eps):
+        super().__init__()
+        self.qkv, self.swiglu = _Fused("qkv", weights[:3]), _Fused("swiglu", weights[3:5])
+        self.add, self.norm = _NormResidual("matvec_add", weights[5:6], g, eps), _NormResidual("matvec_norm", weights[6:], g, eps)
+
+    def forward(self, x, r, s):
+        return torch.cat([self.qkv(x), self.swiglu(x), self.add(x, r), self.norm(s)], dim=-1)
+
+
+@pytest.mark.parametrize("kind", ["Q5_0", "Q4_K", "Q8_0", *(pytest.param(k, marks=pytest.mark.extended)
+                                                            for k in ("Q6_K", "IQ4_XS", "Q3_K"))])
+def test_prefill_products_take_x_in_passes_over_the_weights(kind, two_cpus, tmp_path):
+    """Prefill's products with rows of 8192 values: x of a dynamic row count quantized into the
+    dispatch's scratch, 64 rows (kernels.PASS_BYTES) for each pass over the weights; run at 150
+    rows (passes of 64, 64 and 22), 9 (one pass) and 2 (on the workgroups' stacks). q, k, v
+    (interleaved), SwiGLU's gate and up (83 rows: a row at a time), x times 256 rows plus a
+    residual, and s normalized then times 88 rows, on random blocks. Each row of s is +-2^j,
+    whose mean square is a power of four, so that transformers' LlamaRMSNorm and the kernel
+    normalize it alike to the bit (at 8192 values a row, float32 sums in another order move a
+    few values across a rounding boundary of the quantized x)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    rng = np.random.default_rng(9)
+    k, eps, sizes = 8192, 1e-30, [80, 48, 24, 83, 83, 256, 88]
+    assert kernels.layout.PASS_BYTES // k == 64
+    raws = [_random_blocks(kind, n, k, rng) for n in sizes]
+    weights = [weight_from_raw(kind, (n, k), raw) for n, raw in zip(sizes, raws)]
+    dense = [_dense(kind, raw) for raw in raws]
+    g = torch.from_numpy(rng.uniform(0.5, 1.5, k).astype(np.float32))
+    rows = torch.export.Dim("rows")
+    x8 = "x8" if kind in kernels.INTERLEAVED else ""
+    run_main = _compiled(_Passes(weights, g, eps), torch.zeros(9, k), torch.zeros(9, sizes[5]), torch.ones(9, k),
+                         tmp_path=tmp_path, dynamic_shapes={"x": {0: rows}, "r": {0: rows}, "s": {0: rows}},
+                         kernel=(f"sharkport_matvec_qkv_{kind.lower()}{x8}_scratch",
+                                 f"sharkport_matvec_swiglu_{kind.lower()}_scratch",
+                                 f"sharkport_matvec_add_{kind.lower()}{x8}_scratch",
+                                 f"sharkport_matvec_norm_{kind.lower()}{x8}_scratch"))
+    reference = LlamaRMSNorm(k, eps=eps)
+    with torch.no_grad():
+        reference.weight.copy_(g)
+    for m in (150, 9, 2):
+        x = rng.standard_normal((m, k)).astype(np.float32) * 3
+        r = rng.standard_normal((m, sizes[5])).astype(np.float32)
+        s = (rng.choice([-1, 1], (m, k)) * 2.0 ** rng.integers(-4, 5, (m, 1))).astype(np.float32)
+        got = np.split(run_main(x, r, s), np.cumsum([sum(sizes[:3]), sizes[3], sizes[5]]), axis=1)
+        with torch.no_grad():
+            normed = reference(torch.from_numpy(s)).numpy()
+        seen = _x_seen(kind, x).astype(np.float64)
+        ys = [seen @ d.T for d in dense[:5]]
+        silu = ys[3] * 0.5 * (1 + np.tanh(ys[3] / 2))  # x sigmoid(x), without overflow at large |x|
+        wants = [np.concatenate(ys[:3], axis=1), silu * ys[4], seen @ dense[5].T + r,
+                 _x_seen(kind, normed).astype(np.float64) @ dense[6].T]
+        for part, want, name in zip(got, wants, ("qkv", "swiglu", "add", "norm")):
+            np.testing.assert_allclose(part, want, rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=f"{name}, {m} rows")
 
 
 def test_rows_too_long_to_normalize_in_the_product_take_a_norm_dispatch(monkeypatch, tmp_path):
@@ -706,9 +771,10 @@ def kernel_module(quantized_tiny, tmp_path_factory):
             mlir = (out / "m.mlir").read_text()
             cache = "_f16" if cache_dtype == torch.float16 else ""
             # decode's layer, its output projection; prefill's products (decode's are in the layer), each
-            # normalizing x where a norm comes before it, and attention
+            # normalizing x where a norm comes before it (quantized x in the dispatch's scratch), and attention
+            scratch = "" if type_name.upper() in kernels.FLOAT_KINDS else "_scratch"
             for kernel in (rf"sharkport_layer_block_{type_name}(x8)?{cache}\(", f"sharkport_matvec_norm_{type_name}",
-                           rf"sharkport_matvec_swiglu_norm_{type_name}(x8)?\(", r"sharkport_prefill_attention\("):
+                           rf"sharkport_matvec_swiglu_norm_{type_name}(x8)?{scratch}\(", r"sharkport_prefill_attention\("):
                 assert re.search(kernel, mlir), f"{kernel} is not called: the traced form was taken"
             assert "sharkport_rms_norm" not in mlir and "torch.aten.mean" not in mlir, "a norm took a dispatch of its own"
             compile_mlir(out / "m.mlir", out / "m.vmfb")

@@ -21,8 +21,9 @@ multiplies by quantized weights at memory speed (docs/performance.md); the expor
 layers for modules that call these functions (sharkport.export.kernels). Each function returns
 None where its kernel does not apply (a dynamic M where a kernel needs a static one, other
 dtypes, weight types or sizes), and the caller computes as before. Prefill's products take the
-kernels too, over its dynamic number of tokens (x quantized eight rows at a time, each
-workgroup's weight rows read once per eight rows, from the caches): faster than IREE's
+kernels too, over its dynamic number of tokens (x quantized into a scratch buffer of the
+dispatch, up to PASS_BYTES of rows, which each pass over a workgroup's weight rows takes, eight
+rows of w against all of them at a time while those stay in the caches): faster than IREE's
 dequantizing matmuls on quantized weights, and the module then holds no float32 copy of a weight
 (docs/performance.md).
 

@@ -10,6 +10,11 @@ from ..quant import ROW_INTERLEAVED_TYPES
 
 MAX_ROWS = 8  # decode's rows: up to these, norms are one dispatch region and a layer one block kernel
 MAX_K = 32 * 512  # longest rows of w: a workgroup keeps x quantized (MAX_K bytes a row) on its stack
+# Where x's quantized rows outgrow a workgroup's stack (more than MAX_ROWS rows, or MAX_K bytes:
+# prefill), a product quantizes x into a scratch buffer of its dispatch instead, up to PASS_BYTES
+# of rows (a multiple of 8, at least 8) for each pass over the weights, so that they stay in a
+# core's L2 while the weights stream past once (matvec.c's product_all_rows).
+PASS_BYTES = 512 << 10
 # products that RMS-normalize x first (matvec.c's XN_FLOATS): each workgroup keeps x normalized on
 # its stack, of at most MAX_NORMED values (32 KiB): a row at a time as it quantizes it (float16
 # weights: the rows it multiplies at a time), so rows of K <= MAX_NORMED at any M; a block kernel
@@ -106,6 +111,13 @@ def block_counters(phases: int) -> int:
     W), each on a line of 16): for each phase a line for each workgroup's span and one of the items
     finished, and one line of the workgroups that left."""
     return (phases * (workgroups() + 1) + 1) * 16
+
+
+def x_on_stack(rows, k: int) -> bool:
+    """Whether a product's workgroups keep x [rows, k] quantized on their stacks (else its
+    dispatch's scratch): rows is an int at most MAX_ROWS (a dynamic row count is not) and
+    rows * k at most MAX_K bytes."""
+    return isinstance(rows, int) and rows <= MAX_ROWS and rows * k <= MAX_K
 
 
 def workgroups() -> int:

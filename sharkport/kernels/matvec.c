@@ -244,13 +244,21 @@ static void pair_blocks(int8_t *q, size_t mc, size_t K) {
 // Workspace of one workgroup: its rows of x quantized (q, with per block the scale xd and
 // xd * sum of q, xs), and for the row of w at hand the products of its block scales with x's (cs).
 // For the K-quants x is quantized per 256 values instead (quantize_x_k): xd holds a scale per 256
-// values, and bs the sums of each 16 of q.
+// values, and bs the sums of each 16 of q. xn: x RMS-normalized, for the products that normalize
+// it (rms_norm_rows). All on the workgroup's stack (stack_space), or x's quantized rows and cs in
+// the dispatch's scratch (product_all_rows).
+typedef struct {
+  int8_t *q;
+  float *xd, *xs, *cs, *xn;
+  int16_t *bs;
+} workspace;
 typedef struct {
   int8_t q[XQ_BYTES];
   float xd[XQ_BYTES / 32], xs[XQ_BYTES / 32], cs[XQ_BYTES / 32];
   int16_t bs[XQ_BYTES / 16];
-  float xn[XN_FLOATS];  // x RMS-normalized, for the products that normalize it (rms_norm_rows)
-} workspace;
+  float xn[XN_FLOATS];
+} __attribute__((aligned(64))) stack_space;  // x's rows on cache lines, as the 64-byte loads read them
+INLINE workspace on_stack(stack_space *s) { return (workspace){s->q, s->xd, s->xs, s->cs, s->xn, s->bs}; }
 
 // Rows of x a workgroup quantizes at a time: all of them (up to MAX_M) if they fit.
 INLINE size_t chunk_rows(size_t M, size_t m0, size_t K) {
@@ -2315,28 +2323,70 @@ INLINE size_t x_rows(int kind, const float *g, size_t M, size_t m0, size_t K) {
   return left < most ? left : most;
 }
 
+// ws with its quantized rows of x from row i on (as prepare_x lays them out for `kind`).
+INLINE workspace rows_from(workspace ws, int kind, size_t K, size_t i) {
+  ws.q += i * K, ws.xd += i * (X_PER_256(kind) ? K / 256 : K / 32), ws.xs += i * (K / 32), ws.bs += i * (K / 16);
+  return ws;
+}
+
+// Bytes of the dispatch's scratch each workgroup takes for R rows of x of length K (and
+// kernels.mlir's product_module allots): q R K bytes, xd and xs R K / 32 floats each, cs
+// MAX_M K / 32 floats and bs R K / 16 int16, rounded up to 64.
+INLINE size_t scratch_bytes(size_t K, size_t R) { return (K * (11 * R + 8) / 8 + 63) / 64 * 64; }
+
+// ws's quantized rows of x and cs in `own`, a workgroup's scratch_bytes(K, R) (from a multiple of
+// 64 bytes into the scratch, so x's rows start on cache lines as on the stack).
+INLINE workspace in_scratch(workspace ws, int8_t *own, size_t K, size_t R) {
+  const size_t B = K / 32;
+  float *f = (float *)(own + R * K);
+  ws.q = own, ws.xd = f, ws.xs = f + R * B, ws.cs = f + 2 * R * B, ws.bs = (int16_t *)(f + (2 * R + MAX_M) * B);
+  return ws;
+}
+
 // Outputs [n0, n1) of the product of all of x [M, K] (normalized by g where not null) with the
-// `count` matrices w (see product_rows), x prepared x_rows at a time.
+// `count` matrices w (see product_rows). With R = 0, x is prepared on the stack x_rows at a time
+// and each chunk multiplies all of [n0, n1): the weights are read once per chunk, and the stack
+// holds XQ_BYTES of quantized x (5 rows of K = 3072, 2 of 8192). Otherwise ws is in the dispatch's
+// scratch and holds R rows, which a pass over the weights takes: PASS_TILE rows of w against all R
+// rows of x (MAX_M at a time) while those rows of w stay in the caches, so each pass reads the
+// weights once.
+#define PASS_TILE 8
 INLINE void product_all_rows(int kind, int op, workspace *ws, const float *x, const float *g, float eps,
                              const matrix *w, size_t count, const float *r, float *y, size_t M, size_t N, size_t K,
-                             size_t n0, size_t n1) {
-  for (size_t m0 = 0, mc; m0 < M; m0 += mc) {
-    mc = x_rows(kind, g, M, m0, K);
-    const float *xm = prepare_x(kind, x, g, eps, K, m0, mc, ws);
-    product_rows(kind, op, ws, xm, w, count, r, y, M, N, K, m0, mc, n0, n1);
+                             size_t R, size_t n0, size_t n1) {
+  for (size_t p0 = 0, pc; p0 < M; p0 += pc) {
+    pc = !R ? x_rows(kind, g, M, p0, K) : M - p0 < R ? M - p0 : R;
+    const float *xm = x;
+    for (size_t i = 0, c; i < pc; i += c) {  // as many rows at a time as prepare_x takes
+      c = R ? chunk_rows(pc, i, K) : pc;
+      workspace at = rows_from(*ws, kind, K, i);
+      xm = prepare_x(kind, x, g, eps, K, p0 + i, c, &at);
+    }
+    const size_t tile = R ? PASS_TILE : n1 - n0;
+    for (size_t n = n0; n < n1; n += tile)
+      for (size_t i = 0, c; i < pc; i += c) {
+        c = pc - i < MAX_M ? pc - i : MAX_M;
+        workspace at = rows_from(*ws, kind, K, i);
+        product_rows(kind, op, &at, xm, w, count, r, y, M, N, K, p0 + i, c, n, n + tile < n1 ? n + tile : n1);
+      }
   }
 }
 
 // Outputs [n0, n1) of workgroup wg (`rows` per workgroup) of the product of x [M, K] with the
 // `count` matrices w (see product_rows). With a norm weight g [K] (not null), x is first
 // RMS-normalized by it (each workgroup normalizes the rows it takes, K <= XN_FLOATS). So a layer's
-// norms and residual adds take no dispatch of their own.
+// norms and residual adds take no dispatch of their own. With R > 0, quantized weights take x R
+// rows at a time in the dispatch's scratch (product_all_rows), scratch_bytes(K, R) a workgroup.
 INLINE void matvec(int kind, int op, const float *x, const float *g, float eps, const matrix *w, size_t count,
-                   const float *r, float *y, size_t M, size_t N, size_t K, size_t rows, size_t wg) {
+                   const float *r, float *y, size_t M, size_t N, size_t K, size_t rows, size_t wg, int8_t *scratch,
+                   size_t R) {
   ROW_RANGE
   if (K / 32 > MAX_BLOCKS || (g && K > XN_FLOATS)) return;  // never traced: kernels routes only these
-  workspace ws;
-  product_all_rows(kind, op, &ws, x, g, eps, w, count, r, y, M, N, K, n0, n1);
+  stack_space space;
+  workspace ws = on_stack(&space);
+  if (FLOAT_WEIGHTS(kind)) R = 0;
+  if (R) ws = in_scratch(ws, scratch + wg * scratch_bytes(K, R), K, R);
+  product_all_rows(kind, op, &ws, x, g, eps, w, count, r, y, M, N, K, R, n0, n1);
 }
 
 // The C functions, each with its planes in kernels.PLANES order (forms in kernels.ops.FORMS):
@@ -2406,37 +2456,45 @@ INLINE void matvec(int kind, int op, const float *x, const float *g, float eps, 
 #define NORM_ARG MEMREF(const float, g)
 #define N_ARGS size_t M, size_t N, size_t K, size_t rows, size_t wg
 #define QKV_N_ARGS size_t M, size_t N0, size_t N1, size_t N2, size_t K, size_t rows, size_t wg
-#define DEFINE_KERNELS(T, lower)                                                                                    \
-  void sharkport_matvec_##lower(X_ARG, ARGS_##T(a), MEMREF(float, y), N_ARGS) {                                     \
-    matrix w[1] = {MAT_##T(a, N)};                                                                                  \
-    matvec(T, CONCAT, BASE(x), 0, 0, w, 1, 0, BASE(y), M, N, K, rows, wg);                                          \
-  }                                                                                                                 \
-  void sharkport_matvec_add_##lower(X_ARG, ARGS_##T(a), MEMREF(const float, r), MEMREF(float, y), N_ARGS) {         \
-    matrix w[1] = {MAT_##T(a, N)};                                                                                  \
-    matvec(T, CONCAT, BASE(x), 0, 0, w, 1, BASE(r), BASE(y), M, N, K, rows, wg);                                    \
-  }                                                                                                                 \
-  void sharkport_matvec_norm_##lower(X_ARG, NORM_ARG, ARGS_##T(a), MEMREF(float, y), N_ARGS, float eps) {           \
-    matrix w[1] = {MAT_##T(a, N)};                                                                                  \
-    matvec(T, CONCAT, BASE(x), BASE(g), eps, w, 1, 0, BASE(y), M, N, K, rows, wg);                                  \
-  }                                                                                                                 \
-  void sharkport_matvec_qkv_##lower(X_ARG, ARGS_##T(a), ARGS_##T(b), ARGS_##T(c), MEMREF(float, y), QKV_N_ARGS) {   \
-    matrix w[3] = {MAT_##T(a, N0), MAT_##T(b, N1), MAT_##T(c, N2)};                                                 \
-    matvec(T, CONCAT, BASE(x), 0, 0, w, 3, 0, BASE(y), M, N0 + N1 + N2, K, rows, wg);                               \
-  }                                                                                                                 \
-  void sharkport_matvec_qkv_norm_##lower(X_ARG, NORM_ARG, ARGS_##T(a), ARGS_##T(b), ARGS_##T(c), MEMREF(float, y),  \
-                                         QKV_N_ARGS, float eps) {                                                   \
-    matrix w[3] = {MAT_##T(a, N0), MAT_##T(b, N1), MAT_##T(c, N2)};                                                 \
-    matvec(T, CONCAT, BASE(x), BASE(g), eps, w, 3, 0, BASE(y), M, N0 + N1 + N2, K, rows, wg);                       \
-  }                                                                                                                 \
-  void sharkport_matvec_swiglu_##lower(X_ARG, ARGS_##T(a), ARGS_##T(b), MEMREF(float, y), N_ARGS) {                 \
-    matrix w[2] = {MAT_##T(a, N), MAT_##T(b, N)};                                                                   \
-    matvec(T, SWIGLU, BASE(x), 0, 0, w, 2, 0, BASE(y), M, N, K, rows, wg);                                          \
-  }                                                                                                                 \
-  void sharkport_matvec_swiglu_norm_##lower(X_ARG, NORM_ARG, ARGS_##T(a), ARGS_##T(b), MEMREF(float, y), N_ARGS,    \
-                                            float eps) {                                                            \
-    matrix w[2] = {MAT_##T(a, N), MAT_##T(b, N)};                                                                   \
-    matvec(T, SWIGLU, BASE(x), BASE(g), eps, w, 2, 0, BASE(y), M, N, K, rows, wg);                                  \
+#define UNPAREN(...) __VA_ARGS__
+// Each form twice: `name`, the product inlined with its form's constants (decode's products, whose
+// time is the weights' read, ran slower sharing one function), and name_scratch, which takes the
+// dispatch's scratch after y and R (rows of x a pass over the weights takes, see matvec) after the
+// sizes and calls `shared`, a type's function for its op.
+#define TWINS(name, params, sizes, tail, T, op, shared, ...)                                               \
+  void name(UNPAREN params, UNPAREN sizes UNPAREN tail) { matvec(T, op, __VA_ARGS__, 0, 0); }              \
+  void name##_scratch(UNPAREN params, MEMREF(int8_t, t), UNPAREN sizes, size_t R UNPAREN tail) {          \
+    shared(__VA_ARGS__, BASE(t), R);                                                                       \
   }
+#define PRODUCT_PARAMS                                                                                     \
+  const float *x, const float *g, float eps, const matrix *w, size_t count, const float *r, float *y,      \
+      size_t M, size_t N, size_t K, size_t rows, size_t wg, int8_t *scratch, size_t R
+#define PRODUCT_ARGS x, g, eps, w, count, r, y, M, N, K, rows, wg, scratch, R
+#define DEFINE_KERNELS(T, lower)                                                                                 \
+  NOINLINE void concat_##lower(PRODUCT_PARAMS) { matvec(T, CONCAT, PRODUCT_ARGS); }                              \
+  NOINLINE void swiglu_##lower(PRODUCT_PARAMS) { matvec(T, SWIGLU, PRODUCT_ARGS); }                              \
+  TWINS(sharkport_matvec_##lower, (X_ARG, ARGS_##T(a), MEMREF(float, y)), (N_ARGS), (), T, CONCAT,               \
+        concat_##lower, BASE(x), 0, 0, (matrix[]){MAT_##T(a, N)}, 1, 0, BASE(y), M, N, K, rows, wg)              \
+  TWINS(sharkport_matvec_add_##lower, (X_ARG, ARGS_##T(a), MEMREF(const float, r), MEMREF(float, y)),            \
+        (N_ARGS), (), T, CONCAT, concat_##lower, BASE(x), 0, 0, (matrix[]){MAT_##T(a, N)}, 1, BASE(r),           \
+        BASE(y), M, N, K, rows, wg)                                                                              \
+  TWINS(sharkport_matvec_norm_##lower, (X_ARG, NORM_ARG, ARGS_##T(a), MEMREF(float, y)), (N_ARGS),               \
+        (, float eps), T, CONCAT, concat_##lower, BASE(x), BASE(g), eps, (matrix[]){MAT_##T(a, N)}, 1, 0,        \
+        BASE(y), M, N, K, rows, wg)                                                                              \
+  TWINS(sharkport_matvec_qkv_##lower, (X_ARG, ARGS_##T(a), ARGS_##T(b), ARGS_##T(c), MEMREF(float, y)),          \
+        (QKV_N_ARGS), (), T, CONCAT, concat_##lower, BASE(x), 0, 0,                                              \
+        (matrix[]){MAT_##T(a, N0), MAT_##T(b, N1), MAT_##T(c, N2)}, 3, 0, BASE(y), M, N0 + N1 + N2, K, rows, wg) \
+  TWINS(sharkport_matvec_qkv_norm_##lower,                                                                       \
+        (X_ARG, NORM_ARG, ARGS_##T(a), ARGS_##T(b), ARGS_##T(c), MEMREF(float, y)), (QKV_N_ARGS),                \
+        (, float eps), T, CONCAT, concat_##lower, BASE(x), BASE(g), eps,                                         \
+        (matrix[]){MAT_##T(a, N0), MAT_##T(b, N1), MAT_##T(c, N2)}, 3, 0, BASE(y), M, N0 + N1 + N2, K, rows, wg) \
+  TWINS(sharkport_matvec_swiglu_##lower, (X_ARG, ARGS_##T(a), ARGS_##T(b), MEMREF(float, y)), (N_ARGS), (),      \
+        T, SWIGLU, swiglu_##lower, BASE(x), 0, 0, (matrix[]){MAT_##T(a, N), MAT_##T(b, N)}, 2, 0, BASE(y), M, N, \
+        K, rows, wg)                                                                                             \
+  TWINS(sharkport_matvec_swiglu_norm_##lower,                                                                    \
+        (X_ARG, NORM_ARG, ARGS_##T(a), ARGS_##T(b), MEMREF(float, y)), (N_ARGS), (, float eps), T, SWIGLU,       \
+        swiglu_##lower, BASE(x), BASE(g), eps, (matrix[]){MAT_##T(a, N), MAT_##T(b, N)}, 2, 0, BASE(y), M, N,    \
+        K, rows, wg)
 
 DEFINE_KERNELS(Q8_0, q8_0)
 DEFINE_KERNELS(Q4_0, q4_0)
@@ -2468,6 +2526,9 @@ DEFINE_KERNELS(Q3_KX8, q3_kx8)
 #undef NORM_ARG
 #undef N_ARGS
 #undef QKV_N_ARGS
+#undef TWINS
+#undef PRODUCT_PARAMS
+#undef PRODUCT_ARGS
 
 // ---- Decode attention over the paged KV cache ----
 //
@@ -3176,7 +3237,8 @@ INLINE void product_phase(int kind, int op, const float *x, const float *g, floa
                           const float *r, float *y, size_t M, size_t N, size_t K, size_t chunk, int32_t *counters,
                           size_t p, size_t W, size_t wg, upcoming next) {
   if (K / 32 > MAX_BLOCKS || (g && M * K > XN_FLOATS)) return;  // never traced: kernels routes only these
-  workspace ws;
+  stack_space space;
+  workspace ws = on_stack(&space);
   int whole = x_rows(kind, g, M, 0, K) == M;  // x prepared once for the phase
   const float *xm = whole ? prepare_x(kind, x, g, eps, K, 0, M, &ws) : x;
   if (!whole) chunk *= span_chunks(N, chunk, W);
@@ -3189,7 +3251,7 @@ INLINE void product_phase(int kind, int op, const float *x, const float *g, floa
       if (whole)
         product_rows(kind, op, &ws, xm, w, count, r, y, M, N, K, 0, M, n0, n1);
       else
-        product_all_rows(kind, op, &ws, x, g, eps, w, count, r, y, M, N, K, n0, n1);
+        product_all_rows(kind, op, &ws, x, g, eps, w, count, r, y, M, N, K, 0, n0, n1);
       ++done;
     }
   }

@@ -14,7 +14,8 @@ import string
 from dataclasses import dataclass, field
 
 from .build import object_path
-from .layout import MAX_ROWS_PER_WORKGROUP, PLANES, ROW_QUANTUM, SIZES, block_counters, workgroups
+from .layout import (MAX_K, MAX_ROWS, MAX_ROWS_PER_WORKGROUP, PASS_BYTES, PLANES, ROW_QUANTUM, SIZES,
+                     block_counters, workgroups)
 from .shapes import (FORMS, PREFILL_ROWS, AttentionShape, BlockShape, PrefillShape, float_bits, product_c_name,
                      product_stem)
 
@@ -153,13 +154,15 @@ def _tensors(types: list[str], dims: list[list[str]]) -> list[tuple[str, str]]:
 
 # ---- products: one dispatch of a Form's products over ceil(N / rows) workgroups ----
 
-def product_module(kind: str, form_name: str, arg_types: list[tuple[int, str]], eps: float | None) -> str:
+def product_module(kind: str, form_name: str, arg_types: list[tuple[int, str]], eps: float | None,
+                   scratch: bool = False) -> str:
     """The module of util.func <product_stem>_dispatch taking the op's tensors (x, the norm's
     weight, the matrices' planes, the residual; `arg_types` their rank and element type), which
     dispatches the C function over ceil(N / rows) workgroups of `rows` outputs each (see
-    kernels.ROW_QUANTUM)."""
+    kernels.ROW_QUANTUM). With `scratch`, the C function's _scratch twin, and the dispatch has a
+    second result it does not return: the workgroups' scratch for x's quantized rows (_scratch)."""
     form = FORMS[form_name]
-    c_name, stem = product_c_name(kind, form_name), product_stem(kind, form_name, eps)
+    c_name, stem = product_c_name(kind, form_name, scratch), product_stem(kind, form_name, eps, scratch)
     per, first_plane = len(PLANES[kind]), 2 if form.norm else 1
     types = [tensor_type(r, e) for r, e in arg_types]
     elements = [e for _, e in arg_types] + ["f32"]  # and the result's
@@ -171,15 +174,18 @@ def product_module(kind: str, form_name: str, arg_types: list[tuple[int, str]], 
              + ([(y_spec, "%ntotal")] if form.residual else []) + [(y_spec, "%ntotal")])
     dims, dim_ops = _tensor_dims(types, [r for r, _ in arg_types])
     eps_op = [constant("%eps", f"0x{float_bits(eps):08X}", "f32")] if form.norm else []
+    passes = ["%passrows", "%tsize"] if scratch else []
     return Dispatch(
         executable=f"{stem}_executable", entry=f"{c_name}_entry", func=f"{stem}_dispatch", c_name=c_name,
         workgroup_args=["%n", "%rows"], workgroups="%x",
         workgroup_body=["%x = arith.ceildivui %n, %rows : index", constant("%c1", 1, "index")],
-        subspans=[(f"%s{i}", f"%b{i}", e, f"%size{i}") for i, e in enumerate(elements)],
-        entry_sizes=["%m", *ns, "%k", "%rows"], entry_indices=2,
+        subspans=([(f"%s{i}", f"%b{i}", e, f"%size{i}") for i, e in enumerate(elements)]
+                  + ([("%st", "%bt", "i8", "%tsize")] if scratch else [])),
+        entry_sizes=["%m", *ns, "%k", "%rows", *passes], entry_indices=2,
         entry_setup=[*eps_op, *_total_rows(len(ns), "%ntotal"),
                      *(line for i, (spec, n) in enumerate(specs) for line in _size(i, spec, n))],
-        call=[(v, "index") for v in ["%m", *ns, "%k", "%rows", "%wg"]] + ([("%eps", "f32")] if form.norm else []),
+        call=([(v, "index") for v in ["%m", *ns, "%k", "%rows", "%wg", *passes[:1]]]
+              + ([("%eps", "f32")] if form.norm else [])),
         func_args=[(f"%a{i}", t) for i, t in enumerate(types)],
         func_body=[*dim_ops,
                    *(f"%n{i} = tensor.dim %a{first_plane + i * per}, %c0 : {types[first_plane + i * per]}"
@@ -187,10 +193,31 @@ def product_module(kind: str, form_name: str, arg_types: list[tuple[int, str]], 
                    *_total_rows(len(ns), "%total"),
                    # outputs a workgroup: whole quanta aiming at workgroups() workgroups, at most the maximum
                    f"%rows = affine.min affine_map<()[s0] -> ((s0 ceildiv {ROW_QUANTUM * workgroups()}) * "
-                   f"{ROW_QUANTUM}, {MAX_ROWS_PER_WORKGROUP})>()[%total]"],
+                   f"{ROW_QUANTUM}, {MAX_ROWS_PER_WORKGROUP})>()[%total]",
+                   *(_scratch_size("%a0d0", "%a0d1") if scratch else [])],
         workload=["%total", "%rows"],
-        operands=_tensors(types, dims) + [(v, "index") for v in ["%a0d0", *ns, "%a0d1", "%rows"]],
-        results=["tensor<?x?xf32>{%a0d0, %total}"], returned=["tensor<?x?xf32>"]).text()
+        operands=_tensors(types, dims) + [(v, "index") for v in ["%a0d0", *ns, "%a0d1", "%rows", *passes]],
+        results=["tensor<?x?xf32>{%a0d0, %total}", *(["tensor<?xi8>{%tsize}"] if scratch else [])],
+        returned=["tensor<?x?xf32>"]).text()
+
+
+def _scratch_size(m: str, k: str) -> list[str]:
+    """Lines computing %passrows, the rows of x [m, k] a pass over the weights takes (0 where
+    x_on_stack: the workgroups keep x on their stacks; else PASS_BYTES / k rounded down to a
+    multiple of 8, at least 8, at most m), and %tsize, the scratch's bytes: matvec.c's
+    scratch_bytes(k, %passrows) for each of ceil(%total / %rows) workgroups."""
+    return [*(constant(f"%t_{v}", v, "index") for v in (8, 11, 64)), constant("%t_xq", MAX_K, "index"),
+            constant("%t_most", MAX_ROWS, "index"), constant("%t_pass", PASS_BYTES, "index"),
+            f"%t_mk = arith.muli {m}, {k} : index", f"%t_few = arith.cmpi ule, {m}, %t_most : index",
+            "%t_small = arith.cmpi ule, %t_mk, %t_xq : index", "%t_stack = arith.andi %t_few, %t_small : i1",
+            f"%t_fit = arith.divui %t_pass, {k} : index", "%t_fit8 = arith.divui %t_fit, %t_8 : index",
+            "%t_whole = arith.muli %t_fit8, %t_8 : index", "%t_least = arith.maxui %t_whole, %t_8 : index",
+            f"%t_r = arith.minui %t_least, {m} : index", "%passrows = arith.select %t_stack, %c0, %t_r : index",
+            "%t_r11 = arith.muli %passrows, %t_11 : index", "%t_r11p8 = arith.addi %t_r11, %t_8 : index",
+            f"%t_k11 = arith.muli %t_r11p8, {k} : index", "%t_bytes = arith.divui %t_k11, %t_8 : index",
+            "%t_lines = arith.ceildivui %t_bytes, %t_64 : index", "%t_own = arith.muli %t_lines, %t_64 : index",
+            "%t_per = arith.select %t_stack, %c0, %t_own : index", "%t_wgs = arith.ceildivui %total, %rows : index",
+            "%tsize = arith.muli %t_wgs, %t_per : index"]
 
 
 def _total_rows(count: int, result: str) -> list[str]:

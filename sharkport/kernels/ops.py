@@ -12,7 +12,7 @@ from iree.turbine.runtime.op_reg import CustomOp, KernelBuilder, KernelSelection
 from ..archive.tensors import QuantizedTensor
 from ..mlir_ops import call_mlir_function
 from . import mlir
-from .layout import FLOAT_KINDS, PLANES, STORED, quantized_x
+from .layout import FLOAT_KINDS, PLANES, STORED, quantized_x, x_on_stack
 from .shapes import (FORMS, PREFILL_ROWS, AttentionShape, BlockShape, Form, PrefillShape, product_c_name,
                      product_stem)
 
@@ -82,8 +82,10 @@ def _register(kind: str, form_name: str):
             types = [RankedTensorType(value.type) for value in kb.arg_bindings if value is not None]
             arg_types = [(t.rank, str(t.element_type)) for t in types]
             eps = float(ksel.arg_descs[len(tensors)].v) if form.norm else None
-            call_mlir_function(kb, f"{product_stem(kind, form_name, eps)}_dispatch",
-                               lambda: mlir.product_module(kind, form_name, arg_types, eps))
+            rows, k = ksel.arg_descs[0].t.shape
+            scratch = kind not in FLOAT_KINDS and not x_on_stack(rows, k)
+            call_mlir_function(kb, f"{product_stem(kind, form_name, eps, scratch)}_dispatch",
+                               lambda: mlir.product_module(kind, form_name, arg_types, eps, scratch))
 
     Op.__name__ = product_c_name(kind, form_name)
     return CustomOp.register(library=_LIBRARY)(Op)

@@ -31,17 +31,18 @@ FORMS = {"matvec": Form(1), "matvec_add": Form(1, residual=True), "matvec_norm":
          "swiglu": Form(2, swiglu=True), "swiglu_norm": Form(2, swiglu=True, norm=True)}
 
 
-def product_c_name(kind: str, form: str) -> str:
+def product_c_name(kind: str, form: str, scratch: bool = False) -> str:
     """matvec.c's function: sharkport_matvec_<type>, and sharkport_matvec_<form>_<type> for the
-    other forms (a form's own "matvec_" dropped: sharkport_matvec_add_<type>)."""
+    other forms (a form's own "matvec_" dropped: sharkport_matvec_add_<type>); with `scratch`,
+    its twin taking the dispatch's scratch for x's quantized rows (<name>_scratch)."""
     name = form.removeprefix("matvec").lstrip("_")
-    return "_".join(["sharkport_matvec", *([name] if name else []), kind.lower()])
+    return "_".join(["sharkport_matvec", *([name] if name else []), kind.lower(), *(["scratch"] if scratch else [])])
 
 
-def product_stem(kind: str, form: str, eps: float | None) -> str:
+def product_stem(kind: str, form: str, eps: float | None, scratch: bool = False) -> str:
     """The name of the util.func calling the kernel (<stem>_dispatch) and of its executable
     (<stem>_executable): the C function's, and a norm's eps, which is baked into both."""
-    return f"{product_c_name(kind, form)}{'' if eps is None else f'_e{float_bits(eps):08x}'}"
+    return f"{product_c_name(kind, form, scratch)}{'' if eps is None else f'_e{float_bits(eps):08x}'}"
 
 
 # ---- decode attention over the paged cache, with the new position's write (matvec.c's
