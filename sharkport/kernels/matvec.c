@@ -2347,10 +2347,10 @@ INLINE workspace in_scratch(workspace ws, int8_t *own, size_t K, size_t R) {
 // `count` matrices w (see product_rows). With R = 0, x is prepared on the stack x_rows at a time
 // and each chunk multiplies all of [n0, n1): the weights are read once per chunk, and the stack
 // holds XQ_BYTES of quantized x (5 rows of K = 3072, 2 of 8192). Otherwise ws is in the dispatch's
-// scratch and holds R rows, which a pass over the weights takes: PASS_TILE rows of w against all R
-// rows of x (MAX_M at a time) while those rows of w stay in the caches, so each pass reads the
-// weights once.
-#define PASS_TILE 8
+// scratch and holds R rows, which a pass over the weights takes: a tile of rows of w (about
+// PASS_TILE_BYTES, a multiple of 8 rows) against all R rows of x, MAX_M at a time, so that each
+// pass reads the weights once from memory, the tile from L2 and those rows of x from L1.
+#define PASS_TILE_BYTES (256 << 10)
 INLINE void product_all_rows(int kind, int op, workspace *ws, const float *x, const float *g, float eps,
                              const matrix *w, size_t count, const float *r, float *y, size_t M, size_t N, size_t K,
                              size_t R, size_t n0, size_t n1) {
@@ -2362,7 +2362,7 @@ INLINE void product_all_rows(int kind, int op, workspace *ws, const float *x, co
       workspace at = rows_from(*ws, kind, K, i);
       xm = prepare_x(kind, x, g, eps, K, p0 + i, c, &at);
     }
-    const size_t tile = R ? PASS_TILE : n1 - n0;
+    const size_t tile = !R ? n1 - n0 : PASS_TILE_BYTES / K < 8 ? 8 : PASS_TILE_BYTES / K / 8 * 8;
     for (size_t n = n0; n < n1; n += tile)
       for (size_t i = 0, c; i < pc; i += c) {
         c = pc - i < MAX_M ? pc - i : MAX_M;
