@@ -65,25 +65,24 @@ def _gib(n: int) -> str:
 
 # IREE's CPU devices allocate a call's transient buffers (prefill's activations, the kernels'
 # scratch) anew for each call, and every 4 KiB of them faults in again when touched; a caching
-# allocator keeps up to 512 MiB of freed ones for the next call. SHARKPORT_IREE_CACHING=0 turns it off.
+# allocator keeps up to 512 MiB of freed ones for the next call. SHARKPORT_IREE_CACHING=0 turns it
+# off. Single-device sessions only: IREE 3.9 crashes tensor-parallel calls over devices that each
+# have one.
 CPU_ALLOCATOR = "caching:device_local=*;512mib;64"
 _CPU_DEVICES: dict[str, object] = {}
 _CPU_DEVICES_LOCK = threading.Lock()
 
 
-def _device(rt, uri: str, cache: bool):
-    """The device of `uri`, shared by the sessions that name it where `cache` (as rt.get_device);
-    a CPU one with CPU_ALLOCATOR."""
+def _device(rt, uri: str, shared: bool):
+    """The device of `uri`: where `shared` (a single-device session), the one all such sessions
+    naming it share, a CPU one with CPU_ALLOCATOR; else a device of its own."""
     try:
-        if not uri.startswith("local") or os.environ.get("SHARKPORT_IREE_CACHING", "1") == "0":
-            return rt.get_device(uri, cache=cache)
+        if not (shared and uri.startswith("local")) or os.environ.get("SHARKPORT_IREE_CACHING", "1") == "0":
+            return rt.get_device(uri, cache=shared)
         with _CPU_DEVICES_LOCK:
-            device = _CPU_DEVICES.get(uri) if cache else None
-            if device is None:
-                device = rt.get_driver(uri).create_device_by_uri(uri, allocators=[CPU_ALLOCATOR])
-                if cache:
-                    _CPU_DEVICES[uri] = device
-            return device
+            if uri not in _CPU_DEVICES:
+                _CPU_DEVICES[uri] = rt.get_driver(uri).create_device_by_uri(uri, allocators=[CPU_ALLOCATOR])
+            return _CPU_DEVICES[uri]
     except (ValueError, RuntimeError) as e:
         raise SharkportError(f"--device {uri}: not available here ({_one_line(e)}); the CPU devices are "
                              "local-task and local-sync, GPUs cuda://N, hip://N and vulkan://N") from None
