@@ -67,7 +67,8 @@ def _gib(n: int) -> str:
 # scratch) anew for each call, and every 4 KiB of them faults in again when touched; a caching
 # allocator keeps up to 512 MiB of freed ones for the next call. SHARKPORT_IREE_CACHING=0 turns it
 # off. Single-device sessions only: IREE 3.9 crashes tensor-parallel calls over devices that each
-# have one.
+# have one. The sessions naming a device share it (devices made per session crashed IREE 3.9 as
+# they were released), so each new session trims it: what it kept for other models' calls is freed.
 CPU_ALLOCATOR = "caching:device_local=*;512mib;64"
 _CPU_DEVICES: dict[str, object] = {}
 _CPU_DEVICES_LOCK = threading.Lock()
@@ -82,6 +83,7 @@ def _device(rt, uri: str, shared: bool):
         with _CPU_DEVICES_LOCK:
             if uri not in _CPU_DEVICES:
                 _CPU_DEVICES[uri] = rt.get_driver(uri).create_device_by_uri(uri, allocators=[CPU_ALLOCATOR])
+            _CPU_DEVICES[uri].allocator.trim()
             return _CPU_DEVICES[uri]
     except (ValueError, RuntimeError) as e:
         raise SharkportError(f"--device {uri}: not available here ({_one_line(e)}); the CPU devices are "
