@@ -216,9 +216,10 @@ class IreeSession(Session):
     (`hip://0,hip://1`). `irpa` is then the root archive; rank r's file and cache_state go to
     device r.
 
-    On CPU devices the buffers the context's initializer allocates (the weights as the kernels
-    read them) and the caches go onto 2 MiB pages (runtime/hugepages.py; SHARKPORT_HUGE_PAGES=0
-    turns it off); `huge_page_bytes` says how much was advised."""
+    On CPU devices the archive is read into memory on 2 MiB pages, and the buffers the context's
+    initializer allocates and the caches go onto them too (runtime/hugepages.py;
+    SHARKPORT_HUGE_PAGES=0 maps the archive's file instead and keeps 4 KiB pages);
+    `huge_page_bytes` says how much was advised."""
 
     def __init__(self, vmfb: str | os.PathLike, irpa: str | os.PathLike, config: str | os.PathLike | ServiceConfig,
                  pages: int | None = None, device: str | None = None):
@@ -260,9 +261,18 @@ class IreeSession(Session):
         if any(uri.startswith("local-task") for uri in uris):
             tune_local_task(rt)
         devices = [_device(rt, uri, n == 1) for uri in uris]  # N > 1: N devices, not one shared
+        on_cpu = hugepages.enabled() and all(uri.startswith("local") for uri in uris)
         index = rt.ParameterIndex()
+        self._archives = []  # what the index reads the weights from, where it is this process's memory
         for f in files:  # rank files' names are distinct (`.shard.{r}`): all load into scope "model"
-            index.load(str(f), mmap=True)
+            # on CPU the kernels stream every weight each decode step: from memory on 2 MiB pages
+            # they take fewer TLB misses than from the file's mapping (hugepages.py)
+            held = hugepages.read_file(f) if on_cpu else None
+            if held is None:
+                index.load(str(f), mmap=True)
+            else:
+                index.load_from_file_handle(rt.FileHandle.wrap_memory(held), Path(f).suffix.lstrip("."))
+                self._archives.append(held)
         rows = vocab or _embedding_rows(index, irpa)
         if config.vocab_size is None:  # an older module, and a config without it (as shortfin's)
             config = replace(config, vocab_size=rows)
@@ -275,7 +285,6 @@ class IreeSession(Session):
         # the inputs (and the logits) of a tensor-parallel module's functions are on device 0
         self._rt, self._devices, self._device = rt, devices, devices[0]
         self._float32 = int(rt.HalElementType.FLOAT_32)
-        on_cpu = hugepages.enabled() and all(uri.startswith("local") for uri in uris)
         before = hugepages.snapshot() if on_cpu else {}
         self._context, self._main, self._functions = rt.VmContext(instance, modules=[params, hal, main]), main, {}
         dtype = _NP_CACHE_DTYPES[config.kv_cache_dtype]
@@ -289,8 +298,8 @@ class IreeSession(Session):
         self._upload = _uploader(rt, devices[0], on_host)  # the inputs' copies, on device 0
         # the weights the context's initializer wrote and the caches, on 2 MiB pages (hugepages.py);
         # a cache below glibc's mmap threshold may sit in memory mapped before, so its own range too
-        self.huge_page_bytes = hugepages.back_new_mappings(before, [_host_range(c) for c in self._caches]) \
-            if on_cpu else 0
+        self.huge_page_bytes = sum(len(a) for a in self._archives) + (
+            hugepages.back_new_mappings(before, [_host_range(c) for c in self._caches]) if on_cpu else 0)
 
     def _call(self, name: str, *args) -> np.ndarray:
         """The module's function `name` on the int64 inputs `args` and the caches: its logits.
