@@ -912,10 +912,10 @@ def test_transformers_quantizes_each_linear_input_as_the_kernels(tmp_path):
 
 
 def test_norms_of_layers_of_mixed_types_go_inside_the_products(tmp_path):
-    """_k_quant_layer's q and k (Q4_K) and v (Q5_K) cannot share a dispatch, so each product
-    normalizes x itself: prefill and decode export no RMSNorm reduction of IREE's (over prefill's
-    dynamic rows of a 3072-wide model, iree-compile put its tile on the stack past the 32 KiB
-    limit)."""
+    """_k_quant_layer's q and k (Q4_K) and v (Q5_K) cannot share a dispatch (and their planes are
+    more than the layer block of mixed types takes), so each product normalizes x itself: prefill
+    and decode export no RMSNorm reduction of IREE's (over prefill's dynamic rows of a 3072-wide
+    model, iree-compile put its tile on the stack past the 32 KiB limit)."""
     from sharkport.archive import Dataset
     from sharkport.export import export_model, save_export
 
@@ -924,21 +924,26 @@ def test_norms_of_layers_of_mixed_types_go_inside_the_products(tmp_path):
     output, service = export_model(Dataset.load(irpa), config, exact_cache(config.block_seq_stride))
     save_export(output, service, tmp_path / "m.mlir", tmp_path / "m.json")
     text = (tmp_path / "m.mlir").read_text()
-    for name in ("matvec_norm_q4_kx8", "matvec_norm_q5_kx8", "matvec_norm_q8_0x8", "matvec_swiglu_norm_q4_kx8"):
+    for name in ("matvec_norm_q4_kx8", "matvec_norm_q5_kx8", "matvec_norm_q8_0x8", "matvec_swiglu_norm_q4_kx8",
+                 "matvec_norm_q4_kx8_scratch", "matvec_swiglu_norm_q4_kx8_scratch"):
         assert re.search(rf"@sharkport_{name}\(", text), f"{name} is not called"
     assert "torch.aten.mean" not in text and "sharkport_rms_norm" not in text
 
 
 @pytest.mark.parametrize("kinds, kernels_called", [
     (Q2_K_LAYER, ("matvec_swiglu_norm_q2_kx8", "matvec_add_q3_kx8", "matvec_norm_q6_kx8")),
-    (IQ4_XS_LAYER, ("matvec_swiglu_norm_iq4_xsx8", "matvec_add_iq4_nlx8", "matvec_norm_q6_kx8"))], ids=["Q2_K", "IQ4_XS"])
+    (IQ4_XS_LAYER, ("layer_block_mixed", "matvec_swiglu_norm_iq4_xsx8_scratch", "matvec_add_iq4_nlx8_scratch",
+                    "matvec_norm_q6_kx8")),
+    (Q4_K_M_LAYER, ("matvec_norm_q5_kx8", "matvec_add_q6_kx8", "matvec_norm_q8_0x8"))],
+    ids=["Q2_K", "IQ4_XS", "Q4_K_M"])
 def test_layer_through_the_compiled_kernels_computes_as_transformers(kinds, kernels_called, tmp_path):
-    """_k_quant_layer at llama.cpp's Q2_K kinds (Q2_K and Q3_K matrices, a Q6_K output) and at an
-    IQ4_XS file's (IQ4_XS and IQ4_NL), exported with the kernels and compiled: prefill of 20 tokens
-    over two pages, then 6 teacher-forced decode steps. Each position's logits are transformers'
-    over the same GGUF with each linear layer's input quantized as the kernels quantize it (per 256
-    values for the K-quants, per 32 for the rest), as in
-    test_transformers_quantizes_each_linear_input_as_the_kernels."""
+    """_k_quant_layer at llama.cpp's Q2_K kinds (Q2_K and Q3_K matrices, a Q6_K output), at an
+    IQ4_XS file's (IQ4_XS and IQ4_NL) and at Q4_K_M's (Q4_K, Q5_K, Q6_K, a Q8_0 output), exported
+    with the kernels and compiled (decode's layer a dispatch a product, each normalizing x, or for
+    IQ4_XS's 24 planes the layer block of mixed types): prefill of 20 tokens over two pages, then 6
+    teacher-forced decode steps. Each position's logits are transformers' over the same GGUF with
+    each linear layer's input quantized as the kernels quantize it (per 256 values for the
+    K-quants, per 32 for the rest), as in test_transformers_quantizes_each_linear_input_as_the_kernels."""
     from transformers import AutoModelForCausalLM
 
     from sharkport.archive import Dataset
@@ -1032,7 +1037,8 @@ vmfb, irpa, config, out = sys.argv[1:5]
 if len(sys.argv) > 5:  # IREE flags, such as the worker count
     runtime.flags.parse_flags(*sys.argv[5:])
 session = IreeSession(vmfb, irpa, config, pages=16)
-ids = [3, 99, 14, 200, 7, 7, 51, 128, 60, 2, 31, 90, 17, 5, 250, 33, 8, 64, 101, 12]
+ids = [i % session.config.vocab_size for i in [3, 99, 14, 200, 7, 7, 51, 128, 60, 2, 31, 90, 17, 5, 250, 33, 8, 64,
+                                               101, 12]]
 pages = np.arange(4, dtype=np.int64)[:, None] * 2 + np.arange(2)
 tokens = np.zeros((4, 16), np.int64)
 tokens[:, :5] = ids[:5]
@@ -1112,15 +1118,22 @@ def test_layer_block_run_eagerly_decodes_as_compiled(kernel_module):
     the kernels compute them, attention writing the cache in place) gives the compiled module's
     decode logits, step after step at batch 4 over two pages, after the same prefill (the kernels'
     products run eagerly too)."""
+    vmfb, irpa, config_json, _ = kernel_module("q4_1")
+    _eager_decodes_as_compiled(vmfb, irpa, config_json)
+
+
+def _eager_decodes_as_compiled(vmfb, irpa, config_json):
+    """The kernel model of `irpa` run eagerly decodes as the compiled module does (see
+    test_layer_block_run_eagerly_decodes_as_compiled)."""
     from sharkport.archive import Dataset
     from sharkport.models import build_model
     from sharkport.runtime.session import IreeSession
 
-    vmfb, irpa, config_json, _ = kernel_module("q4_1")
     session = IreeSession(vmfb, irpa, config_json, pages=TINY_EXPORT.device_block_count)
     kernel_model = use_kernels(build_model(Dataset.load(irpa), exact_cache()))  # as kernel_module("q4_1")
     cache = kernel_model.new_cache(TINY_EXPORT.device_block_count)
-    ids = [3, 99, 14, 200, 7, 7, 51, 128, 60, 2, 31, 90, 17, 5, 250, 33, 8, 64, 101, 12]
+    ids = [i % session.config.vocab_size
+           for i in [3, 99, 14, 200, 7, 7, 51, 128, 60, 2, 31, 90, 17, 5, 250, 33, 8, 64, 101, 12]]
     pages = np.arange(4, dtype=np.int64)[:, None] * 2 + np.arange(2)
     tokens = np.zeros((4, TINY_EXPORT.block_seq_stride), np.int64)
     tokens[:, :5] = ids[:5]
@@ -1134,6 +1147,46 @@ def test_layer_block_run_eagerly_decodes_as_compiled(kernel_module):
             got = kernel_model.decode(*(torch.from_numpy(a) for a in args), cache).numpy()
             np.testing.assert_allclose(got.reshape(want.shape), want, rtol=0, atol=1e-4 * np.abs(want).max(),
                                        err_msg=f"position {pos}")
+
+
+def test_a_layer_of_mixed_types_is_one_dispatch(tiny, monkeypatch, tmp_path):
+    """The tiny llama with Q5_1 q, k, output projection and down projection, a Q8_0 v and Q5_0
+    gate and up (as llama.cpp's mixtures of SmolLM2's 576-wide matrices; 24 planes, the most one
+    dispatch takes: kernels.MIXED_LAYER_PLANES) exported with the kernels: decode's layer is the
+    layer block of mixed types (q and k in one phase, v in one of its own), whose logits are bit
+    for bit those of the export without blocks (a dispatch a product, each normalizing x), at batch
+    4 and 1 over two pages, on two IREE workers and on one (the workgroups one after the other);
+    its op run eagerly decodes as it does."""
+    irpa = tmp_path / "mixed.irpa"
+    run("sharkport.tools.quantize", "--gguf-file", str(tiny["gqa-untied"].gguf_path), "--type", "q5_0",
+        "--type-map", r"attn_(q|k|output)\.|ffn_down\.=q5_1", "--type-map", r"attn_v\.=q8_0",
+        "--output-irpa", str(irpa))
+    assert sum(len(kernels.PLANES[t]) for t in ("Q5_1", "Q5_1", "Q8_0", "Q5_1", "Q5_0", "Q5_0", "Q5_1")) == \
+        kernels.MIXED_LAYER_PLANES
+    products = _export_without(["layer_block", "attention_block", "ffn_block"], irpa, tmp_path, "products",
+                               monkeypatch)
+    mixed = _export_without([], irpa, tmp_path, "mixed", monkeypatch)
+    assert not re.search(r"sharkport_\w+_block", products[0].with_suffix(".mlir").read_text())
+    assert re.search(r"@sharkport_layer_block_mixed\(", mixed[0].with_suffix(".mlir").read_text())
+    want = _decode_logits(products, tmp_path, "products")
+    assert np.abs(want).max() > 0.1  # logits, not zeros
+    for workers in (2, 1):
+        got = _decode_logits(mixed, tmp_path, f"mixed{workers}", f"--task_topology_group_count={workers}")
+        np.testing.assert_array_equal(got, want, err_msg=f"{workers} IREE workers")
+    _eager_decodes_as_compiled(*mixed)
+
+
+def test_blocks_take_no_x_their_workgroups_cannot_hold():
+    """A block takes decode's products only where each one's x fits a workgroup's stack
+    (kernels.x_on_stack): else it would read its weights once for each part of x (four rows of a
+    4128-wide x are two), where a product's own dispatch takes x in one pass (its scratch)."""
+    E, I = 64, kernels.MAX_K // 4 + 32
+    gen = torch.Generator().manual_seed(0)
+    gate, up = (torch.randn(I, E, generator=gen).half() for _ in range(2))
+    down = torch.randn(E, I, generator=gen).half()
+    for rows, taken in ((3, True), (4, False)):
+        y = kernels.ffn_block(torch.randn(rows, E, generator=gen), (torch.ones(E), 1e-6), gate, up, down)
+        assert (y is not None) == taken, rows
 
 
 def test_interleaved_rows_are_read_from_the_archive_as_stored(kernel_module, quantized_tiny, monkeypatch, tmp_path):

@@ -39,8 +39,8 @@ from .build import (AVX512_FEATURES, CFLAGS, ISA_ENV, ISA_FLAGS, PRODUCTS, PRODU
                     cflags, compile_flags_for, isa, object_name, object_path, objects_named_by, products,
                     referenced_by)
 from .layout import (BLOCK_CHUNK_ROWS, BLOCK_KINDS, FLOAT_KINDS, INTERLEAVED, MAX_GD, MAX_K, MAX_NORMED, MAX_ROWS, MAX_STRIDE,
-                     PLANES, PREFILL_MAX_D, PREFILL_MAX_GD, SIZES, STORED, X_PER_256, block_counters, cpus,
-                     kv_heads_per_workgroup, quantized_x, workgroups)
+                     MIXED_KINDS, MIXED_LAYER_PLANES, MIXED_SLOTS, PLANES, PREFILL_MAX_D, PREFILL_MAX_GD, SIZES, STORED, X_PER_256,
+                     block_counters, cpus, kv_heads_per_workgroup, quantized_x, workgroups, x_on_stack)
 
 __all__ = ["AVX512_FEATURES", "BLOCK_CHUNK_ROWS", "BLOCK_KINDS", "CFLAGS", "FLOAT_KINDS", "INTERLEAVED", "ISA_ENV", "ISA_FLAGS",
            "MAX_GD", "MAX_K", "MAX_NORMED", "MAX_ROWS", "MAX_STRIDE", "PLANES", "PREFILL_MAX_D", "PREFILL_MAX_GD",
@@ -240,7 +240,7 @@ def ffn_block(h, norm, gate, up, down):
     (M, E), I = rows.shape, gate.shape[0]
     found = _kernel_planes([gate, up, down])
     if (not found or found[0] not in BLOCK_KINDS or tuple(up.shape) != (I, E) or tuple(down.shape) != (E, I)
-            or I > MAX_K):
+            or not x_on_stack(M, I)):
         return None
     kind, planes = found
     from .ops import BlockShape, block_op
@@ -268,9 +268,13 @@ def layer_block(h, norm, wq, wk, wv, wo, ffn_norm, gate, up, down, cache_state, 
                 scale: float | None = None, window: int = 0, logit_cap: float = 0.0):
     """A whole llama decode layer in one kernel dispatch (matvec.c's sharkport_layer_block_<type>,
     in five phases): attention_block's h1, then ffn_block's output on h1 with `ffn_norm` (weight,
-    eps: the same eps as `norm`'s), gate, up and down. Or None, having written nothing, where either
-    block does not apply. Against the two dispatches it saves a dispatch's start and end a layer,
-    and a workgroup waiting at the end of the output projection fetches its first gate/up rows."""
+    eps: the same eps as `norm`'s), gate, up and down. Where the matrices' types differ (llama.cpp's
+    mixtures) or have no block kernel of their own, sharkport_layer_block_mixed takes each of
+    MIXED_KINDS (gate's and up's the same, MIXED_LAYER_PLANES planes in all at most), in up to
+    seven phases. Or None, having written nothing, where neither applies, or where a product's x
+    would not fit a workgroup's stack (x_on_stack: its weights would be read once for each part of
+    x). Against a dispatch per product it saves their starts and ends, each product's normalizing
+    of x, and a workgroup waiting at the end of a phase fetches its first rows of the next."""
     if float(ffn_norm[1]) != float(norm[1]):
         return None
     return _attention_dispatch(h, norm, (wq, wk, wv, wo), (ffn_norm[0], gate, up, down), cache_state, cache, layer,
@@ -295,9 +299,16 @@ def _attention_dispatch(h, norm, weights, ffn, cache_state, cache, layer, page_i
         if _block_rows(h, (g2, norm[1])) is None or not isinstance(I, int) or I > MAX_K:
             return None
         matrices, shapes = matrices + [gate, up, down], shapes + [(I, E), (I, E), (E, I)]
-    found = shape is not None and _kernel_planes(matrices)
-    if not found or found[0] not in BLOCK_KINDS or [tuple(w.shape) for w in matrices] != shapes:
+    if shape is None or [tuple(w.shape) for w in matrices] != shapes:
         return None
+    if not all(x_on_stack(M, w.shape[1]) for w in matrices):
+        return None  # a product's x would be prepared again for each part of its rows, the weights read again
+    found, kinds = _kernel_planes(matrices), ()
+    if not found or found[0] not in BLOCK_KINDS:
+        found = _mixed_planes(matrices) if ffn is not None else None
+        if found is None:
+            return None
+        kinds, found = found[0], ("MIXED", found[1])
     kind, planes = found
     from .ops import BlockShape, block_op
 
@@ -306,10 +317,24 @@ def _attention_dispatch(h, norm, weights, ffn, cache_state, cache, layer, page_i
     if ffn is None:
         block = BlockShape("attention", kind, M, E, 0, float(norm[1]), shape)
     else:
-        block = BlockShape("layer", kind, M, E, I, float(norm[1]), shape)
+        block = BlockShape("layer", kind, M, E, I, float(norm[1]), shape, kinds)
         operands += [g2, *planes[4], *planes[5], *planes[6]]
     y = block_op(block)(*operands)
     return y[:M * E].view(h.shape)
+
+
+def _mixed_planes(matrices):
+    """(each matrix's kernel type, its planes in MIXED_SLOTS slots: its own, then its first again)
+    of a layer's seven matrices (q, k, v, o, gate, up, down) for the layer block of mixed types, or
+    None where one's type is not in MIXED_KINDS, gate's and up's differ, or their planes are more
+    than one dispatch takes (MIXED_LAYER_PLANES)."""
+    found = [_kernel_planes([w]) for w in matrices]
+    if not all(found) or any(kind not in MIXED_KINDS for kind, _ in found) or found[4][0] != found[5][0]:
+        return None
+    if sum(len(planes) for _, [planes] in found) > MIXED_LAYER_PLANES:
+        return None
+    return (tuple(kind for kind, _ in found),
+            [[*planes, *[planes[0]] * (MIXED_SLOTS - len(planes))] for _, [planes] in found])
 
 
 def prefill_attention(q, k, v, scale: float | None = None, window: int = 0, logit_cap: float = 0.0):

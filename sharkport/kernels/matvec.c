@@ -3194,9 +3194,11 @@ typedef struct {
   size_t bytes[3];
 } upcoming;
 
-// Rows [n, n + rows) of w [N, K] (n a multiple of 8 with interleaved rows).
+// Rows [n, n + rows) of w [N, K] (n a multiple of 8 with interleaved rows): their values (the
+// low bits, for Q5 and the K-quants), scales and offsets (or dmin).
 INLINE upcoming weight_rows(int kind, const matrix *w, size_t n, size_t rows, size_t K) {
-  size_t B = K / 32, row = FLOAT_WEIGHTS(kind) ? 2 * K : kind == Q8_0 || kind == Q8_0X8 ? K : K / 2;
+  size_t B = X_PER_256(kind) || IQ4_XS_KIND(kind) ? K / 256 : K / 32;  // scales a row
+  size_t row = FLOAT_WEIGHTS(kind) ? 2 * K : kind == Q8_0 || kind == Q8_0X8 ? K : K23_X8_KIND(kind) ? K / 4 : K / 2;
   upcoming u = {{0}, {0}};
   u.at[0] = (const char *)w->qs + n * row, u.bytes[0] = rows * row;
   if (!FLOAT_WEIGHTS(kind)) u.at[1] = (const char *)(w->d + n * B), u.bytes[1] = rows * B * 2;
@@ -3279,7 +3281,7 @@ NOINLINE void attention_item(const int f16, const float *q, const float *knew, c
 // intermediates; `chunk`: outputs a chunk of each product takes. The attention block's cache of
 // element type C (uint16_t: float16) and its other operands are decode attention's; its attention
 // phase's items are claimed one at a time from one counter.
-#define DEFINE_BLOCK_KERNELS(T, lower)                                                                               \
+#define DEFINE_PHASES(T, lower)                                                                                      \
   NOINLINE void concat_phase_##lower(const float *x, const float *g, float eps, const matrix *w, size_t count,       \
                                      const float *r, float *y, size_t M, size_t N, size_t K, size_t chunk,           \
                                      int32_t *counters, size_t p, size_t W, size_t wg, upcoming next) {              \
@@ -3289,7 +3291,9 @@ NOINLINE void attention_item(const int f16, const float *q, const float *knew, c
                                      size_t N, size_t K, size_t chunk, int32_t *counters, size_t p, size_t W,        \
                                      size_t wg, upcoming next) {                                                     \
     product_phase(T, SWIGLU, x, g, eps, w, 2, 0, y, M, N, K, chunk, counters, p, W, wg, next);                       \
-  }                                                                                                                  \
+  }
+#define DEFINE_BLOCK_KERNELS(T, lower)                                                                               \
+  DEFINE_PHASES(T, lower)                                                                                            \
   /* Phases p and p + 1: out = h + down(silu(gate(n(h))) * up(n(h))), n(h) h normalized by g; act   \
      [M, I] holds silu(gate) * up. */                                                                                \
   INLINE void ffn_phases_##lower(const float *h, const float *g, float eps, const matrix *gate_up,                  \
@@ -3380,3 +3384,155 @@ DEFINE_BLOCK_KERNELS(Q4_1X8, q4_1x8)
 DEFINE_BLOCK_KERNELS(Q8_0X8, q8_0x8)
 DEFINE_BLOCK_KERNELS(F16, f16)
 DEFINE_BLOCK_KERNELS(BF16, bf16)
+
+// ---- blocks whose matrices' types differ ----
+//
+// llama.cpp's mixtures give a layer's matrices different types (Q4_K_M: Q4_K q, k, output
+// projection, gate and up beside a Q6_K v and down in some layers; SmolLM2's: Q5_0 beside Q8_0 and
+// Q4_K). The layer block of mixed types takes such a layer as those of one type do: each matrix's
+// planes in MIXED_SLOTS slots (kernels.PLANES order, the slots past its planes repeating one,
+// unread) and its type as an index into MIXED_KINDS (kernels.MIXED_KINDS: the same order). q, k and
+// v take a phase for each run of one type among them (q and k together, v apart, where only v's
+// differs), so a layer takes up to seven phases.
+#define MIXED_KINDS(F)                                                                                               \
+  F(Q8_0X8, q8_0x8) F(Q4_0X8, q4_0x8) F(Q4_1X8, q4_1x8) F(Q5_0X8, q5_0x8) F(Q5_1X8, q5_1x8) F(Q4_KX8, q4_kx8)      \
+  F(Q5_KX8, q5_kx8) F(Q6_KX8, q6_kx8) F(Q2_KX8, q2_kx8) F(Q3_KX8, q3_kx8) F(IQ4_NLX8, iq4_nlx8)                   \
+  F(IQ4_XSX8, iq4_xsx8) F(F16, f16) F(BF16, bf16)
+#define MIXED_ATTENTION_PHASES 5  // at most: q, k and v apart, attention, the output projection
+
+DEFINE_PHASES(Q5_0X8, q5_0x8)
+DEFINE_PHASES(Q5_1X8, q5_1x8)
+DEFINE_PHASES(Q4_KX8, q4_kx8)
+DEFINE_PHASES(Q5_KX8, q5_kx8)
+DEFINE_PHASES(Q6_KX8, q6_kx8)
+DEFINE_PHASES(Q2_KX8, q2_kx8)
+DEFINE_PHASES(Q3_KX8, q3_kx8)
+DEFINE_PHASES(IQ4_NLX8, iq4_nlx8)
+DEFINE_PHASES(IQ4_XSX8, iq4_xsx8)
+
+#define KIND_OF(T, lower) T,
+static const int mixed_kinds[] = {MIXED_KINDS(KIND_OF)};
+#undef KIND_OF
+
+// concat_phase_<type> and swiglu_phase_<type> of the weights' type `kind`.
+NOINLINE void concat_phase_of(int kind, const float *x, const float *g, float eps, const matrix *w, size_t count,
+                              const float *r, float *y, size_t M, size_t N, size_t K, size_t chunk, int32_t *counters,
+                              size_t p, size_t W, size_t wg, upcoming next) {
+#define CASE(T, lower)                                                                       \
+  case T:                                                                                    \
+    concat_phase_##lower(x, g, eps, w, count, r, y, M, N, K, chunk, counters, p, W, wg, next); \
+    return;
+  switch (kind) { MIXED_KINDS(CASE) }
+#undef CASE
+}
+NOINLINE void swiglu_phase_of(int kind, const float *x, const float *g, float eps, const matrix *w, float *y, size_t M,
+                              size_t N, size_t K, size_t chunk, int32_t *counters, size_t p, size_t W, size_t wg,
+                              upcoming next) {
+#define CASE(T, lower)                                                             \
+  case T:                                                                          \
+    swiglu_phase_##lower(x, g, eps, w, y, M, N, K, chunk, counters, p, W, wg, next); \
+    return;
+  switch (kind) { MIXED_KINDS(CASE) }
+#undef CASE
+}
+
+// A matrix of `n` rows of weight type `kind` from its planes in kernels.PLANES order (as the MAT_
+// macros take them).
+INLINE matrix slot_matrix(int kind, const uint8_t *p0, const uint8_t *p1, const uint8_t *p2, const uint8_t *p3,
+                          const uint8_t *p4, size_t n) {
+  const uint16_t *d = (const uint16_t *)p1, *m = (const uint16_t *)p2;
+  switch (kind) {
+    case F16:
+    case BF16: return (matrix){p0, 0, 0, n, 0, 0};
+    case Q8_0X8:
+    case Q4_0X8:
+    case IQ4_NLX8: return (matrix){p0, d, 0, n, 0, 0};
+    case Q4_1X8: return (matrix){p0, d, m, n, 0, 0};
+    case Q5_0X8: return (matrix){p0, d, 0, n, p2, 0};
+    case Q5_1X8: return (matrix){p0, d, m, n, p3, 0};
+    case Q4_KX8:
+    case Q2_KX8:
+    case IQ4_XSX8: return (matrix){p0, d, m, n, 0, p3};  // dmin (IQ4_XS: scales_h) as m, the scales as s
+    case Q5_KX8: return (matrix){p0, d, m, n, p4, p3};
+    default: return (matrix){p0, d, 0, n, p2, p3};  // Q6_KX8 (ql, d, qh, scales), Q3_KX8 (qs, d, hmask, scales)
+  }
+}
+
+// The attention block's phases from phase 0 with the matrices w (q, k, v, the output projection)
+// of types `kind`: out = h + o(attention(q, k, v of n(h))), q, k, v [M, Nq + 2 Nkv] and the
+// attention's output [M, Nq] in scratch; at the end a workgroup waits fetching `next`. Returns the
+// phases it took.
+INLINE size_t mixed_attention_phases(const int f16, const float *h, const float *g, float eps, const matrix *w,
+                                     const int *kind, void *cache, const int64_t *pages, const int64_t *starts,
+                                     const int64_t *lens, const int64_t *layer, const float *rcos, const float *rsin,
+                                     float *out, float *scratch, size_t blocks, size_t M, size_t E, size_t H,
+                                     size_t Hkv, size_t D, size_t L, size_t stride, size_t R, size_t interleaved,
+                                     size_t hpw, float scale, size_t window, size_t chunk, int32_t *counters,
+                                     size_t W, size_t wg, upcoming next) {
+  const upcoming nothing = {{0}, {0}};
+  size_t Nq = H * D, Nkv = Hkv * D, items = M * (Hkv / hpw), p = 0;
+  float *qkv = scratch, *att = qkv + M * (Nq + 2 * Nkv);
+  for (size_t j = 0, first = 0, e; j < 3; j = e) {  // q, k, v: a phase for each run of one type
+    size_t N = w[j].n;
+    for (e = j + 1; e < 3 && kind[e] == kind[j]; ++e) N += w[e].n;
+    upcoming ahead = e < 3 ? own_span(kind[e], &w[e], E, chunk, W, wg) : nothing;
+    concat_phase_of(kind[j], h, g, eps, w + j, e - j, 0, qkv + first * M, M, N, E, chunk, counters, p++, W, wg, ahead);
+    first += N;
+  }
+  int32_t *claimed = counters + SPAN_LINE(p, 0, W) * COUNTER_STRIDE;
+  size_t done = 0;
+  for (size_t item; (item = claim_item(claimed)) < items; ++done)
+    attention_item(f16, qkv, qkv + M * Nq, qkv + M * (Nq + Nkv), cache, pages, starts, lens, layer, rcos, rsin, att,
+                   blocks, H, Hkv, D, L, stride, R, interleaved, hpw, scale, window, item);
+  int32_t *finished = counters + FINISHED_LINE(p, W) * COUNTER_STRIDE;
+  finish_items(finished, done);
+  await_items(finished, items, own_span(kind[3], &w[3], Nq, chunk, W, wg));
+  ++p;
+  concat_phase_of(kind[3], att, 0, 0, &w[3], 1, h, out, M, E, Nq, chunk, counters, p++, W, wg, next);
+  return p;
+}
+
+// The FFN block's phases from phase p with gate, up and down w of types `kind`: out = h +
+// down(silu(gate(n(h))) * up(n(h))), act [M, I] holding silu(gate) * up.
+INLINE void mixed_ffn_phases(const float *h, const float *g, float eps, const matrix *w, const int *kind, float *act,
+                             float *out, size_t M, size_t E, size_t I, size_t chunk, int32_t *counters, size_t p,
+                             size_t W, size_t wg) {
+  const upcoming nothing = {{0}, {0}};
+  swiglu_phase_of(kind[0], h, g, eps, w, act, M, I, E, chunk, counters, p, W, wg,
+                  own_span(kind[2], &w[2], I, chunk, W, wg));
+  concat_phase_of(kind[2], act, 0, 0, &w[2], 1, h, out, M, E, I, chunk, counters, p + 1, W, wg, nothing);
+}
+
+#define SLOTS(p)                                                                                          \
+  MEMREF(const uint8_t, p##0), MEMREF(const uint8_t, p##1), MEMREF(const uint8_t, p##2),                  \
+      MEMREF(const uint8_t, p##3), MEMREF(const uint8_t, p##4)
+#define SLOT_MATRIX(p, t, rows) slot_matrix(mixed_kinds[t], BASE(p##0), BASE(p##1), BASE(p##2), BASE(p##3), BASE(p##4), rows)
+// The layer block of mixed types: the operands of sharkport_layer_block_<type>, each matrix's
+// planes in slots, and after I each matrix's type (its index in MIXED_KINDS). y holds the output,
+// then h1, q, k and v, the attention's output and silu(gate) * up.
+#define MIXED_LAYER_BLOCK(C, f16, suffix)                                                                         \
+  void sharkport_layer_block_mixed##suffix(                                                                       \
+      MEMREF(const float, x), MEMREF(const float, g), SLOTS(a), SLOTS(b), SLOTS(c), MEMREF(C, cache),            \
+      MEMREF(const int64_t, pages), MEMREF(const int64_t, starts), MEMREF(const int64_t, lens),                   \
+      MEMREF(const int64_t, layer), MEMREF(const float, rcos), MEMREF(const float, rsin), SLOTS(o),             \
+      MEMREF(const float, g2), SLOTS(e), SLOTS(f), SLOTS(u), MEMREF(int32_t, phase_counters), MEMREF(float, y),  \
+      ATTENTION_CONSTANTS, size_t I, size_t tq, size_t tk, size_t tv, size_t to, size_t tg, size_t tu, size_t td, \
+      size_t chunk, float eps, size_t workgroups, size_t wg) {                                                    \
+    const int attention_kind[4] = {mixed_kinds[tq], mixed_kinds[tk], mixed_kinds[tv], mixed_kinds[to]};           \
+    const int ffn_kind[3] = {mixed_kinds[tg], mixed_kinds[tu], mixed_kinds[td]};                                  \
+    const matrix attention_w[4] = {SLOT_MATRIX(a, tq, H * D), SLOT_MATRIX(b, tk, Hkv * D),                       \
+                                   SLOT_MATRIX(c, tv, Hkv * D), SLOT_MATRIX(o, to, E)};                          \
+    const matrix ffn_w[3] = {SLOT_MATRIX(e, tg, I), SLOT_MATRIX(f, tu, I), SLOT_MATRIX(u, td, E)};                \
+    float *out = BASE(y), *h1 = out + M * E, *scratch = h1 + M * E;                                               \
+    float *act = scratch + M * (2 * H * D + 2 * Hkv * D);                                                         \
+    size_t p = mixed_attention_phases(f16, BASE(x), BASE(g), eps, attention_w, attention_kind, BASE(cache),      \
+                                      BASE(pages), BASE(starts), BASE(lens), BASE(layer), BASE(rcos), BASE(rsin), \
+                                      h1, scratch, blocks, M, E, H, Hkv, D, L, stride, R, interleaved, hpw,      \
+                                      scale, window, chunk, BASE(phase_counters), workgroups, wg,                 \
+                                      own_span(ffn_kind[0], ffn_w, E, chunk, workgroups, wg));                    \
+    mixed_ffn_phases(h1, BASE(g2), eps, ffn_w, ffn_kind, act, out, M, E, I, chunk, BASE(phase_counters), p,       \
+                     workgroups, wg);                                                                             \
+    leave(BASE(phase_counters), MIXED_ATTENTION_PHASES + FFN_PHASES, workgroups);                                 \
+  }
+MIXED_LAYER_BLOCK(float, 0, )
+MIXED_LAYER_BLOCK(uint16_t, 1, _f16)

@@ -12,7 +12,7 @@ from iree.turbine.runtime.op_reg import CustomOp, KernelBuilder, KernelSelection
 from ..archive.tensors import QuantizedTensor
 from ..mlir_ops import call_mlir_function
 from . import mlir
-from .layout import FLOAT_KINDS, PLANES, STORED, quantized_x, x_on_stack
+from .layout import FLOAT_KINDS, MIXED_SLOTS, PLANES, STORED, quantized_x, x_on_stack
 from .shapes import (FORMS, PREFILL_ROWS, AttentionShape, BlockShape, Form, PrefillShape, product_c_name,
                      product_stem)
 
@@ -193,6 +193,8 @@ def _block_eager(shape: BlockShape, *args) -> torch.Tensor:
     attention as _attention_eager (which writes the cache in place). Its result is the block's
     output, then its intermediates, flattened."""
     x, g, *rest = args
+    if shape.kinds:
+        return _mixed_eager(shape, x, g, *rest)
     per = len(PLANES[shape.kind])
     if shape.form == "ffn":
         return _ffn_eager(shape, x, g, *rest)
@@ -208,6 +210,22 @@ def _block_eager(shape: BlockShape, *args) -> torch.Tensor:
         ffn = _ffn_eager(shape, y, *rest[4 * per + 7:])
         return torch.cat([ffn[:y.numel()], y.flatten(), qkv, att.flatten(), ffn[y.numel():]])
     return torch.cat([y.flatten(), qkv, att.flatten()])
+
+
+def _mixed_eager(shape: BlockShape, x, g, *rest) -> torch.Tensor:
+    """The layer block of mixed types in torch (see _block_eager): each product by its matrix's
+    type, its planes the first of its MIXED_SLOTS operands."""
+    S, kinds = MIXED_SLOTS, shape.kinds
+    starts = [0, S, 2 * S, 3 * S + 7, 4 * S + 8, 5 * S + 8, 6 * S + 8]  # of each matrix's slots in rest
+    planes = [rest[at:at + len(PLANES[kind])] for at, kind in zip(starts, kinds)]
+    cache, pages, positions, lens, layer, cos, sin = rest[3 * S:3 * S + 7]
+    g2 = rest[4 * S + 7]
+    q, k, v = (_eager(kinds[i], FORMS["matvec_norm"], x, g, *planes[i], shape.eps) for i in range(3))
+    att = _attention_eager(shape.attention, q, k, v, cache, pages, positions, lens, layer, cos, sin)
+    y = _eager(kinds[3], FORMS["matvec_add"], att, *planes[3], x)
+    act = _eager(kinds[4], FORMS["swiglu_norm"], y, g2, *planes[4], *planes[5], shape.eps)
+    out = _eager(kinds[6], FORMS["matvec_add"], act, *planes[6], y)
+    return torch.cat([t.flatten() for t in (out, y, q, k, v, att, act)])
 
 
 def _ffn_eager(shape: BlockShape, x, g, *planes) -> torch.Tensor:

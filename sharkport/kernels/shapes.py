@@ -7,7 +7,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from .layout import BLOCK_CHUNK_ROWS, PLANES, workgroups
+from .layout import BLOCK_CHUNK_ROWS, MIXED_KINDS, MIXED_SLOTS, PLANES, workgroups
 
 
 def float_bits(value: float) -> int:
@@ -137,18 +137,22 @@ class BlockShape:
     SwiGLU's products, the down product, residual add) or the layer block (the one, then the other)
     of M rows of h [M, E]."""
     form: str  # "attention", "ffn" or "layer"
-    kind: str  # the matrices' kernel type (a key of PLANES)
+    kind: str  # the matrices' kernel type (a key of PLANES), or a layer's "MIXED" (see kinds)
     rows: int  # M
     width: int  # E
     inner: int  # the FFN's gate rows I (0 for attention)
     eps: float  # of the norm (the layer's two norms)
     attention: AttentionShape | None = None
+    # a layer of kind "MIXED": each matrix's type, of MIXED_KINDS (q, k, v, the output projection,
+    # gate, up, down; gate's and up's the same)
+    kinds: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
         sizes = "" if self.form == "ffn" else self.attention.name.removeprefix("sharkport_decode_attention")
         sizes += f"_i{self.inner}" if self.inner else ""
-        return (f"sharkport_{self.form}_block_{self.kind.lower()}_m{self.rows}_e{self.width}"
+        types = f"_t{''.join(chr(ord('a') + MIXED_KINDS.index(k)) for k in self.kinds)}" if self.kinds else ""
+        return (f"sharkport_{self.form}_block_{self.kind.lower()}{types}_m{self.rows}_e{self.width}"
                 f"_n{float_bits(self.eps):08x}{sizes}_wg{workgroups()}")
 
     @property
@@ -158,13 +162,15 @@ class BlockShape:
     @property
     def phases(self) -> int:
         """The dispatch's phases (matvec.c's ATTENTION_PHASES, FFN_PHASES): its counters' size."""
+        if self.kinds:  # a mixed layer's q, k and v take up to three (MIXED_ATTENTION_PHASES)
+            return 7
         return {"attention": 3, "ffn": 2, "layer": 5}[self.form]
 
     @property
     def operands(self) -> list[str]:
         """The op's tensor operands in order (planes as <matrix>_<plane>)."""
-        def planes(matrix):
-            return [f"{matrix}_{p}" for p in PLANES[self.kind]]
+        def planes(matrix):  # a mixed layer's: MIXED_SLOTS slots, its planes and then repeats
+            return [f"{matrix}_{p}" for p in (range(MIXED_SLOTS) if self.kinds else PLANES[self.kind])]
         ffn = [*planes("gate"), *planes("up"), *planes("down")]
         if self.form == "ffn":
             return ["x", "g", *ffn]
@@ -199,5 +205,6 @@ class BlockShape:
         last = [index(BLOCK_CHUNK_ROWS), (f"0x{float_bits(self.eps):08X}", "f32"), index(workgroups())]
         if self.form == "ffn":
             return [index(self.rows), index(self.width), index(self.inner), *last]
+        types = [index(MIXED_KINDS.index(k)) for k in self.kinds]  # a mixed layer's, after I
         return [index(self.rows), index(self.width), *self.attention.constants(),
-                *([index(self.inner)] if self.form == "layer" else []), *last]
+                *([index(self.inner)] if self.form == "layer" else []), *types, *last]
