@@ -120,8 +120,9 @@ def test_quickstart_runs_clean(tmp_path):
 def test_iq4_xs_file_runs_through_the_kernels_as_transformers(smollm2_gguf, tmp_path, capsys, monkeypatch):
     """SmolLM2 made an IQ4_XS file by llama.cpp's own quantizer (as a hub file: its 576-wide
     matrices fall back to IQ4_NL, ffn_down is IQ4_XS), imported, exported with the kernels (the
-    CLI's default) and compiled: its products read IQ4_NL and IQ4_XS as stored, and `verify` holds
-    the module to the eager recipe and to transformers reading the same file."""
+    CLI's default) and compiled: its products read IQ4_NL and IQ4_XS as stored (decode's layers
+    the layer block of mixed types), and `verify` holds the module to the eager recipe and to
+    transformers reading the same file."""
     pytest.importorskip("llama_cpp", reason="llama.cpp's quantizer: pip install -e '.[bench]'")
     import re
 
@@ -138,8 +139,9 @@ def test_iq4_xs_file_runs_through_the_kernels_as_transformers(smollm2_gguf, tmp_
     run("sharkport.export", "--irpa-file", str(irpa), "--bs-prefill", "1", "--bs-decode", "1",
         *(a for k in files for a in (f"--output-{'config' if k == 'json' else k}", str(files[k]))))
     text = files["mlir"].read_text()
-    for kind in ("iq4_nlx8", "iq4_xsx8"):
-        assert re.search(rf"@sharkport_\w+_{kind}\(", text), f"no {kind} kernel is called"
+    for kind in ("iq4_nlx8", "iq4_xsx8"):  # prefill's products (decode's are in the layer block)
+        assert re.search(rf"@sharkport_\w+_{kind}_scratch\(", text), f"no {kind} kernel is called"
+    assert re.search(r"@sharkport_layer_block_mixed_f16\(", text), "decode's layers are not the mixed layer block"
     status = verify.main(["--vmfb", str(files["vmfb"]), "--irpa-file", str(irpa), "--config", str(files["json"]),
                           "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--max-new-tokens", "16",
                           "--gguf-file", str(gguf)])
