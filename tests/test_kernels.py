@@ -1149,25 +1149,37 @@ def _eager_decodes_as_compiled(vmfb, irpa, config_json):
                                        err_msg=f"position {pos}")
 
 
-def test_a_layer_of_mixed_types_is_one_dispatch(tiny, monkeypatch, tmp_path):
-    """The tiny llama with Q5_1 q, k, output projection and down projection, a Q8_0 v and Q5_0
-    gate and up (as llama.cpp's mixtures of SmolLM2's 576-wide matrices; 24 planes, the most one
-    dispatch takes: kernels.MIXED_LAYER_PLANES) exported with the kernels: decode's layer is the
-    layer block of mixed types (q and k in one phase, v in one of its own), whose logits are bit
-    for bit those of the export without blocks (a dispatch a product, each normalizing x), at batch
-    4 and 1 over two pages, on two IREE workers and on one (the workgroups one after the other);
-    its op run eagerly decodes as it does."""
+# the tiny llama as llama.cpp's mixtures of SmolLM2's 576-wide matrices: Q5_1 q, k, output and
+# down projections, a Q8_0 v, Q5_0 gate and up (24 planes, the most one dispatch takes:
+# kernels.MIXED_LAYER_PLANES); and the tiny qwen2 (float32 q, k and v biases) at Q5_0 with a Q8_0
+# v, as Qwen2.5's files (20 planes and its biases' buffer)
+MIXED_TINY = {"gqa-untied": [r"attn_(q|k|output)\.|ffn_down\.=q5_1", r"attn_v\.=q8_0"],
+              "qwen2": [r"\.bias$=f32", r"attn_v\.=q8_0"]}
+
+
+@pytest.mark.parametrize("variant", MIXED_TINY)
+def test_a_layer_of_mixed_types_is_one_dispatch(variant, tiny, monkeypatch, tmp_path):
+    """The tiny llamas of MIXED_TINY exported with the kernels: decode's layer is the layer block
+    of mixed types (q and k in one phase, v in one of its own; the biases added in the block),
+    whose logits are bit for bit those of the export without blocks (a dispatch a product, each
+    normalizing x, the biases added after them), at batch 4 and 1 over two pages, on two IREE
+    workers and on one (the workgroups one after the other); its op run eagerly decodes as it
+    does."""
+    from tiny_models import TinyRecipes
+
+    model = tiny[variant] if variant == "gqa-untied" else TinyRecipes(tmp_path / "recipe")[variant]
+    gguf_path = model.gguf_path
     irpa = tmp_path / "mixed.irpa"
-    run("sharkport.tools.quantize", "--gguf-file", str(tiny["gqa-untied"].gguf_path), "--type", "q5_0",
-        "--type-map", r"attn_(q|k|output)\.|ffn_down\.=q5_1", "--type-map", r"attn_v\.=q8_0",
-        "--output-irpa", str(irpa))
+    run("sharkport.tools.quantize", "--gguf-file", str(gguf_path), "--type", "q5_0",
+        *(a for rule in MIXED_TINY[variant] for a in ("--type-map", rule)), "--output-irpa", str(irpa))
     assert sum(len(kernels.PLANES[t]) for t in ("Q5_1", "Q5_1", "Q8_0", "Q5_1", "Q5_0", "Q5_0", "Q5_1")) == \
         kernels.MIXED_LAYER_PLANES
     products = _export_without(["layer_block", "attention_block", "ffn_block"], irpa, tmp_path, "products",
                                monkeypatch)
     mixed = _export_without([], irpa, tmp_path, "mixed", monkeypatch)
     assert not re.search(r"sharkport_\w+_block", products[0].with_suffix(".mlir").read_text())
-    assert re.search(r"@sharkport_layer_block_mixed\(", mixed[0].with_suffix(".mlir").read_text())
+    block = "layer_block_mixed_bias" if variant == "qwen2" else "layer_block_mixed"
+    assert re.search(rf"@sharkport_{block}\(", mixed[0].with_suffix(".mlir").read_text())
     want = _decode_logits(products, tmp_path, "products")
     assert np.abs(want).max() > 0.1  # logits, not zeros
     for workers in (2, 1):

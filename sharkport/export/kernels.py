@@ -2,9 +2,9 @@
 built model's blocks, attention, feed-forwards, products and norms for modules that call a kernel
 where one applies and compute as the plain module elsewhere.
 
-Which layers can take a kernel is decided here: a llama block whose attention has no biases, no
-Q/K norms and no fused projection is one dispatch in decode (`kernels.layer_block`), or two
-(`attention_block`, `ffn_block`); elsewhere a norm goes inside the products after it and a
+Which layers can take a kernel is decided here: a llama block whose attention has no Q/K norms,
+no fused projection and no output bias is one dispatch in decode (`kernels.layer_block`; with q,
+k and v biases, as qwen2's, its mixed-type block), or two (`attention_block`, `ffn_block`); elsewhere a norm goes inside the products after it and a
 residual add inside the product before it (`matvec_norm`, `qkv_norm`, `swiglu_norm`,
 `matvec_add`), and decode's remaining norms are one dispatch region each (ops.regions). What the
 kernels take of the tensors themselves (float32, the weight types and sizes matvec.c handles,
@@ -120,10 +120,17 @@ class KernelAttention(torch.nn.Module):
         self.plain = plain
 
     def fusable(self) -> bool:
-        """Whether a block kernel can take the whole attention: separate q, k, v products and no
-        biases or Q/K norms, which matvec.c's blocks do not compute."""
+        """Whether a block kernel can take the whole attention: separate q, k, v products, no Q/K
+        norms and no output bias, which matvec.c's blocks do not compute (q, k and v biases the
+        layer block of mixed types adds)."""
         a = self.plain
-        return a.qkv is None and a.q_norm is None and all(p.bias is None for p in (a.q, a.k, a.v, a.output))
+        return a.qkv is None and a.q_norm is None and a.output.bias is None
+
+    def biases(self):
+        """q's, k's and v's biases (qwen2's), or None where they have none."""
+        a = self.plain
+        found = [p.bias for p in (a.q, a.k, a.v)]
+        return None if all(b is None for b in found) else found
 
     def project(self, x: torch.Tensor, norm: KernelRMSNorm | None = None):
         """q, k and v of x, normalized by `norm` inside the products where they take it: in one
@@ -144,14 +151,15 @@ class KernelAttention(torch.nn.Module):
         """h + attention(norm(h)) by kernels.attention_block, or with `ffn` ((the FFN norm's weight,
         eps), gate, up, down) the whole layer by kernels.layer_block; None where neither applies,
         having computed nothing."""
-        if not self.fusable():
+        biases = self.biases()
+        if not self.fusable() or (biases is not None and (ffn is None or None in biases)):
             return None
         a, c = self.plain, self.plain.config
         weights = (a.q.weight, a.k.weight, a.v.weight, a.output.weight)
         operands = (cache_state, a.cache, a.layer, seq_block_ids, start_positions, seq_lens, c.heads, c.head_dim,
                     rope, c.rope_layout, c.scale, c.window, c.logit_cap)
         if ffn is not None:
-            return kernels.layer_block(h, (norm.weight, norm.eps), *weights, *ffn, *operands)
+            return kernels.layer_block(h, (norm.weight, norm.eps), *weights, *ffn, *operands, biases=biases)
         return kernels.attention_block(h, (norm.weight, norm.eps), *weights, *operands)
 
     def prefill(self, x, rope, cache_state, seq_block_ids, norm: KernelRMSNorm | None = None,

@@ -265,7 +265,7 @@ def attention_block(h, norm, wq, wk, wv, wo, cache_state, cache, layer, page_ids
 
 def layer_block(h, norm, wq, wk, wv, wo, ffn_norm, gate, up, down, cache_state, cache, layer, page_ids,
                 start_positions, seq_lens, heads: int, head_dim: int, rope=None, rope_layout: str = "interleaved",
-                scale: float | None = None, window: int = 0, logit_cap: float = 0.0):
+                scale: float | None = None, window: int = 0, logit_cap: float = 0.0, biases=None):
     """A whole llama decode layer in one kernel dispatch (matvec.c's sharkport_layer_block_<type>,
     in five phases): attention_block's h1, then ffn_block's output on h1 with `ffn_norm` (weight,
     eps: the same eps as `norm`'s), gate, up and down. Where the matrices' types differ (llama.cpp's
@@ -274,17 +274,20 @@ def layer_block(h, norm, wq, wk, wv, wo, ffn_norm, gate, up, down, cache_state, 
     seven phases. Or None, having written nothing, where neither applies, or where a product's x
     would not fit a workgroup's stack (x_on_stack: its weights would be read once for each part of
     x). Against a dispatch per product it saves their starts and ends, each product's normalizing
-    of x, and a workgroup waiting at the end of a phase fetches its first rows of the next."""
+    of x, and a workgroup waiting at the end of a phase fetches its first rows of the next. With
+    `biases` (of q, k and v: qwen2's) the layer block of mixed types adds them to the products
+    (its _bias twin; the three in one buffer, a binding besides the planes)."""
     if float(ffn_norm[1]) != float(norm[1]):
         return None
     return _attention_dispatch(h, norm, (wq, wk, wv, wo), (ffn_norm[0], gate, up, down), cache_state, cache, layer,
                                page_ids, start_positions, seq_lens, heads, head_dim, rope, rope_layout, scale, window,
-                               logit_cap)
+                               logit_cap, biases)
 
 
 def _attention_dispatch(h, norm, weights, ffn, cache_state, cache, layer, page_ids, start_positions, seq_lens,
-                        heads, head_dim, rope, rope_layout, scale, window, logit_cap):
-    """attention_block's result, or with `ffn` (the FFN norm's weight, gate, up, down) layer_block's."""
+                        heads, head_dim, rope, rope_layout, scale, window, logit_cap, biases=None):
+    """attention_block's result, or with `ffn` (the FFN norm's weight, gate, up, down) layer_block's
+    (with `biases` of q, k and v, the mixed layer block's)."""
     rows = _block_rows(h, norm)
     if rows is None:
         return None
@@ -304,37 +307,47 @@ def _attention_dispatch(h, norm, weights, ffn, cache_state, cache, layer, page_i
     if not all(x_on_stack(M, w.shape[1]) for w in matrices):
         return None  # a product's x would be prepared again for each part of its rows, the weights read again
     found, kinds = _kernel_planes(matrices), ()
-    if not found or found[0] not in BLOCK_KINDS:
-        found = _mixed_planes(matrices) if ffn is not None else None
+    if biases is not None or not found or found[0] not in BLOCK_KINDS:  # only the mixed layer adds biases
+        found = _mixed_planes(matrices, biases is not None) if ffn is not None else None
         if found is None:
             return None
         kinds, found = found[0], ("MIXED", found[1])
     kind, planes = found
     from .ops import BlockShape, block_op
 
-    operands = [rows, norm[0], *planes[0], *planes[1], *planes[2], cache_state, page_ids, start_positions, seq_lens,
-                _layer_operand(layer, cache), *_rope_operands(rope, rows), *planes[3]]
+    bias = [] if biases is None else [_bias_operand(biases, M)]
+    operands = [rows, norm[0], *planes[0], *planes[1], *planes[2], *bias, cache_state, page_ids, start_positions,
+                seq_lens, _layer_operand(layer, cache), *_rope_operands(rope, rows), *planes[3]]
     if ffn is None:
         block = BlockShape("attention", kind, M, E, 0, float(norm[1]), shape)
     else:
-        block = BlockShape("layer", kind, M, E, I, float(norm[1]), shape, kinds)
+        block = BlockShape("layer", kind, M, E, I, float(norm[1]), shape, kinds, biases is not None)
         operands += [g2, *planes[4], *planes[5], *planes[6]]
     y = block_op(block)(*operands)
     return y[:M * E].view(h.shape)
 
 
-def _mixed_planes(matrices):
+def _mixed_planes(matrices, bias: bool = False):
     """(each matrix's kernel type, its planes in MIXED_SLOTS slots: its own, then its first again)
     of a layer's seven matrices (q, k, v, o, gate, up, down) for the layer block of mixed types, or
-    None where one's type is not in MIXED_KINDS, gate's and up's differ, or their planes are more
-    than one dispatch takes (MIXED_LAYER_PLANES)."""
+    None where one's type is not in MIXED_KINDS, gate's and up's differ, or their planes (and with
+    `bias`, the biases' buffer) are more than one dispatch takes (MIXED_LAYER_PLANES)."""
     found = [_kernel_planes([w]) for w in matrices]
     if not all(found) or any(kind not in MIXED_KINDS for kind, _ in found) or found[4][0] != found[5][0]:
         return None
-    if sum(len(planes) for _, [planes] in found) > MIXED_LAYER_PLANES:
+    if sum(len(planes) for _, [planes] in found) + bias > MIXED_LAYER_PLANES:
         return None
     return (tuple(kind for kind, _ in found),
             [[*planes, *[planes[0]] * (MIXED_SLOTS - len(planes))] for _, [planes] in found])
+
+
+def _bias_operand(biases, rows: int):
+    """The biases of q, k and v as the mixed layer block adds them: float32, laid out as its
+    products, [rows, Nq] [rows, Nkv] [rows, Nkv] one after the other (a constant of the weights,
+    which IREE computes once, as the module loads)."""
+    import torch
+
+    return torch.cat([b.to(torch.float32).reshape(1, -1).expand(rows, -1).reshape(-1) for b in biases])
 
 
 def prefill_attention(q, k, v, scale: float | None = None, window: int = 0, logit_cap: float = 0.0):

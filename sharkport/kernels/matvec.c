@@ -3459,11 +3459,11 @@ INLINE matrix slot_matrix(int kind, const uint8_t *p0, const uint8_t *p1, const 
 }
 
 // The attention block's phases from phase 0 with the matrices w (q, k, v, the output projection)
-// of types `kind`: out = h + o(attention(q, k, v of n(h))), q, k, v [M, Nq + 2 Nkv] and the
-// attention's output [M, Nq] in scratch; at the end a workgroup waits fetching `next`. Returns the
-// phases it took.
+// of types `kind`: out = h + o(attention(q, k, v of n(h))), q, k, v [M, Nq + 2 Nkv] (plus `bias`,
+// laid out as they are, where not null) and the attention's output [M, Nq] in scratch; at the end
+// a workgroup waits fetching `next`. Returns the phases it took.
 INLINE size_t mixed_attention_phases(const int f16, const float *h, const float *g, float eps, const matrix *w,
-                                     const int *kind, void *cache, const int64_t *pages, const int64_t *starts,
+                                     const int *kind, const float *bias, void *cache, const int64_t *pages, const int64_t *starts,
                                      const int64_t *lens, const int64_t *layer, const float *rcos, const float *rsin,
                                      float *out, float *scratch, size_t blocks, size_t M, size_t E, size_t H,
                                      size_t Hkv, size_t D, size_t L, size_t stride, size_t R, size_t interleaved,
@@ -3476,7 +3476,8 @@ INLINE size_t mixed_attention_phases(const int f16, const float *h, const float 
     size_t N = w[j].n;
     for (e = j + 1; e < 3 && kind[e] == kind[j]; ++e) N += w[e].n;
     upcoming ahead = e < 3 ? own_span(kind[e], &w[e], E, chunk, W, wg) : nothing;
-    concat_phase_of(kind[j], h, g, eps, w + j, e - j, 0, qkv + first * M, M, N, E, chunk, counters, p++, W, wg, ahead);
+    concat_phase_of(kind[j], h, g, eps, w + j, e - j, bias ? bias + first * M : 0, qkv + first * M, M, N, E, chunk,
+                    counters, p++, W, wg, ahead);
     first += N;
   }
   int32_t *claimed = counters + SPAN_LINE(p, 0, W) * COUNTER_STRIDE;
@@ -3509,10 +3510,13 @@ INLINE void mixed_ffn_phases(const float *h, const float *g, float eps, const ma
 #define SLOT_MATRIX(p, t, rows) slot_matrix(mixed_kinds[t], BASE(p##0), BASE(p##1), BASE(p##2), BASE(p##3), BASE(p##4), rows)
 // The layer block of mixed types: the operands of sharkport_layer_block_<type>, each matrix's
 // planes in slots, and after I each matrix's type (its index in MIXED_KINDS). y holds the output,
-// then h1, q, k and v, the attention's output and silu(gate) * up.
-#define MIXED_LAYER_BLOCK(C, f16, suffix)                                                                         \
-  void sharkport_layer_block_mixed##suffix(                                                                       \
-      MEMREF(const float, x), MEMREF(const float, g), SLOTS(a), SLOTS(b), SLOTS(c), MEMREF(C, cache),            \
+// then h1, q, k and v, the attention's output and silu(gate) * up. Its _bias twin takes after v's
+// slots the biases of q, k and v (qwen2's), laid out as their products in y: [M, Nq] [M, Nkv]
+// [M, Nkv] (each row of a bias repeated M times).
+#define MIXED_LAYER_BLOCK(C, f16, name, bias_param, bias)                                                         \
+  void name(                                                                                                      \
+      MEMREF(const float, x), MEMREF(const float, g), SLOTS(a), SLOTS(b), SLOTS(c) UNPAREN bias_param,           \
+      MEMREF(C, cache),                                                                                           \
       MEMREF(const int64_t, pages), MEMREF(const int64_t, starts), MEMREF(const int64_t, lens),                   \
       MEMREF(const int64_t, layer), MEMREF(const float, rcos), MEMREF(const float, rsin), SLOTS(o),             \
       MEMREF(const float, g2), SLOTS(e), SLOTS(f), SLOTS(u), MEMREF(int32_t, phase_counters), MEMREF(float, y),  \
@@ -3525,7 +3529,7 @@ INLINE void mixed_ffn_phases(const float *h, const float *g, float eps, const ma
     const matrix ffn_w[3] = {SLOT_MATRIX(e, tg, I), SLOT_MATRIX(f, tu, I), SLOT_MATRIX(u, td, E)};                \
     float *out = BASE(y), *h1 = out + M * E, *scratch = h1 + M * E;                                               \
     float *act = scratch + M * (2 * H * D + 2 * Hkv * D);                                                         \
-    size_t p = mixed_attention_phases(f16, BASE(x), BASE(g), eps, attention_w, attention_kind, BASE(cache),      \
+    size_t p = mixed_attention_phases(f16, BASE(x), BASE(g), eps, attention_w, attention_kind, bias, BASE(cache), \
                                       BASE(pages), BASE(starts), BASE(lens), BASE(layer), BASE(rcos), BASE(rsin), \
                                       h1, scratch, blocks, M, E, H, Hkv, D, L, stride, R, interleaved, hpw,      \
                                       scale, window, chunk, BASE(phase_counters), workgroups, wg,                 \
@@ -3534,5 +3538,7 @@ INLINE void mixed_ffn_phases(const float *h, const float *g, float eps, const ma
                      workgroups, wg);                                                                             \
     leave(BASE(phase_counters), MIXED_ATTENTION_PHASES + FFN_PHASES, workgroups);                                 \
   }
-MIXED_LAYER_BLOCK(float, 0, )
-MIXED_LAYER_BLOCK(uint16_t, 1, _f16)
+MIXED_LAYER_BLOCK(float, 0, sharkport_layer_block_mixed, (), 0)
+MIXED_LAYER_BLOCK(uint16_t, 1, sharkport_layer_block_mixed_f16, (), 0)
+MIXED_LAYER_BLOCK(float, 0, sharkport_layer_block_mixed_bias, (, MEMREF(const float, qkv_bias)), BASE(qkv_bias))
+MIXED_LAYER_BLOCK(uint16_t, 1, sharkport_layer_block_mixed_bias_f16, (, MEMREF(const float, qkv_bias)), BASE(qkv_bias))

@@ -214,13 +214,17 @@ def _block_eager(shape: BlockShape, *args) -> torch.Tensor:
 
 def _mixed_eager(shape: BlockShape, x, g, *rest) -> torch.Tensor:
     """The layer block of mixed types in torch (see _block_eager): each product by its matrix's
-    type, its planes the first of its MIXED_SLOTS operands."""
-    S, kinds = MIXED_SLOTS, shape.kinds
-    starts = [0, S, 2 * S, 3 * S + 7, 4 * S + 8, 5 * S + 8, 6 * S + 8]  # of each matrix's slots in rest
+    type, its planes the first of its MIXED_SLOTS operands; q, k and v plus their biases (laid out
+    as the products) where the block has them."""
+    S, kinds, b = MIXED_SLOTS, shape.kinds, int(shape.bias)
+    starts = [0, S, 2 * S, 3 * S + b + 7, 4 * S + b + 8, 5 * S + b + 8, 6 * S + b + 8]  # of each matrix's slots
     planes = [rest[at:at + len(PLANES[kind])] for at, kind in zip(starts, kinds)]
-    cache, pages, positions, lens, layer, cos, sin = rest[3 * S:3 * S + 7]
-    g2 = rest[4 * S + 7]
+    cache, pages, positions, lens, layer, cos, sin = rest[3 * S + b:3 * S + b + 7]
+    g2 = rest[4 * S + b + 7]
     q, k, v = (_eager(kinds[i], FORMS["matvec_norm"], x, g, *planes[i], shape.eps) for i in range(3))
+    if shape.bias:
+        q, k, v = (y + bias.view(y.shape) for y, bias in zip(
+            (q, k, v), rest[3 * S].split([q.numel(), k.numel(), v.numel()])))
     att = _attention_eager(shape.attention, q, k, v, cache, pages, positions, lens, layer, cos, sin)
     y = _eager(kinds[3], FORMS["matvec_add"], att, *planes[3], x)
     act = _eager(kinds[4], FORMS["swiglu_norm"], y, g2, *planes[4], *planes[5], shape.eps)

@@ -146,18 +146,21 @@ class BlockShape:
     # a layer of kind "MIXED": each matrix's type, of MIXED_KINDS (q, k, v, the output projection,
     # gate, up, down; gate's and up's the same)
     kinds: tuple[str, ...] = ()
+    bias: bool = False  # a mixed layer's q, k and v have biases (qwen2's): its _bias twin
 
     @property
     def name(self) -> str:
         sizes = "" if self.form == "ffn" else self.attention.name.removeprefix("sharkport_decode_attention")
         sizes += f"_i{self.inner}" if self.inner else ""
         types = f"_t{''.join(chr(ord('a') + MIXED_KINDS.index(k)) for k in self.kinds)}" if self.kinds else ""
+        types += "_b" if self.bias else ""
         return (f"sharkport_{self.form}_block_{self.kind.lower()}{types}_m{self.rows}_e{self.width}"
                 f"_n{float_bits(self.eps):08x}{sizes}_wg{workgroups()}")
 
     @property
     def c_name(self) -> str:
-        return f"sharkport_{self.form}_block_{self.kind.lower()}{self.attention.c_suffix if self.attention else ''}"
+        bias = "_bias" if self.bias else ""
+        return f"sharkport_{self.form}_block_{self.kind.lower()}{bias}{self.attention.c_suffix if self.attention else ''}"
 
     @property
     def phases(self) -> int:
@@ -174,8 +177,8 @@ class BlockShape:
         ffn = [*planes("gate"), *planes("up"), *planes("down")]
         if self.form == "ffn":
             return ["x", "g", *ffn]
-        attention = ["x", "g", *planes("q"), *planes("k"), *planes("v"), "cache", "pages", "starts", "lens", "layer",
-                     "cos", "sin", *planes("o")]
+        attention = ["x", "g", *planes("q"), *planes("k"), *planes("v"), *(["qkv_bias"] if self.bias else []),
+                     "cache", "pages", "starts", "lens", "layer", "cos", "sin", *planes("o")]
         return attention + (["g2", *ffn] if self.form == "layer" else [])
 
     @property
