@@ -1151,10 +1151,10 @@ def _eager_decodes_as_compiled(vmfb, irpa, config_json):
 
 # the tiny llama as llama.cpp's mixtures of SmolLM2's 576-wide matrices: Q5_1 q, k, output and
 # down projections, a Q8_0 v, Q5_0 gate and up (24 planes, the most one dispatch takes:
-# kernels.MIXED_LAYER_PLANES); and the tiny qwen2 (float32 q, k and v biases) at Q5_0 with a Q8_0
-# v, as Qwen2.5's files (20 planes and its biases' buffer)
+# kernels.MIXED_LAYER_PLANES); and the tiny qwen2 (q, k and v biases) at Q5_0 with a Q8_0 v, as
+# Qwen2.5's files (20 planes and its biases' buffer)
 MIXED_TINY = {"gqa-untied": [r"attn_(q|k|output)\.|ffn_down\.=q5_1", r"attn_v\.=q8_0"],
-              "qwen2": [r"\.bias$=f32", r"attn_v\.=q8_0"]}
+              "qwen2": [r"attn_v\.=q8_0"]}
 
 
 @pytest.mark.parametrize("variant", MIXED_TINY)

@@ -86,6 +86,10 @@ def test_type_map_first_match_wins(f16_model, tmp_path):
     types = {n: layout["type"] for n, layout in Dataset.load(out).metadata["tensors"].items()}
     assert types == {"blk.0.attn_q.weight": "BF16", "blk.0.ffn_down.weight": "Q8_0",
                      "blk.0.odd.weight": "BF16", "blk.0.attn_norm.weight": "BF16"}
+    # a block type is a matrix's: a rule matching a norm (or a bias) leaves it as it is
+    quantize("--irpa-file", str(irpa), "--type-map", r"blk\.0\.(attn_q|attn_norm)=q8_0", "--output-irpa", str(out))
+    types = {n: layout["type"] for n, layout in Dataset.load(out).metadata["tensors"].items()}
+    assert types["blk.0.attn_q.weight"] == "Q8_0" and types["blk.0.attn_norm.weight"] == "F32"
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -57,13 +57,15 @@ class TypeRule:
 
 def plan_types(layouts: dict[str, dict[str, Any]], default: str | None,
                rules: list[TypeRule] = ()) -> dict[str, str]:
-    """name → target type. The first matching rule decides; otherwise matrices (2-D and up)
-    whose rows fill whole blocks get `default`, and everything else (norms, biases, odd rows)
-    keeps its type, as llama.cpp's quantizer does."""
+    """name → target type. The first matching rule decides (a block type only for matrices: a
+    vector, as a norm or a bias, takes a rule's f16, bf16 or f32 and else keeps its type);
+    otherwise matrices (2-D and up) whose rows fill whole blocks get `default`, and everything
+    else (norms, biases, odd rows) keeps its type, as llama.cpp's quantizer does."""
     plan = {}
     for name, layout in layouts.items():
         shape, current = tuple(layout["shape"]), layout["type"]
-        rule = next((r for r in rules if r.pattern.search(name)), None)
+        rule = next((r for r in rules if r.pattern.search(name)
+                     and (len(shape) >= 2 or r.type_name in PLAIN_TYPES)), None)
         if rule is not None:
             target = rule.type_name
             if not _fits(target, shape):

@@ -5,7 +5,8 @@
         --type-map 'output\\.weight=q8_0' --type-map 'ffn_down=f16' --output-gguf out.gguf
 
 Matrices whose rows fill whole blocks get --type; norms, biases and other 1-D tensors keep
-their type; --type-map rules (first match wins) override both. Values are quantized from
+their type; --type-map rules (first match wins) override both, but give a 1-D tensor only a
+float type (f16, bf16, f32). Values are quantized from
 float32 with gguf.quants (llama.cpp's reference algorithm), one tensor at a time.
 """
 
@@ -32,8 +33,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the type of every matrix whose rows fill whole blocks: q8_0, q4_0, q4_1, "
                              "q5_0, q5_1, f16, bf16 or f32 (default: keep each tensor's type)")
     parser.add_argument("--type-map", action="append", default=[], metavar="REGEX=TYPE",
-                        help="tensors whose name matches REGEX (re.search) get TYPE; repeatable, first "
-                             "match wins, e.g. --type-map 'output\\.weight=q8_0'")
+                        help="tensors whose name matches REGEX (re.search) get TYPE (1-D tensors, such as "
+                             "norms and biases, only f16, bf16 or f32); repeatable, first match wins, e.g. "
+                             "--type-map 'output\\.weight=q8_0'")
     parser.add_argument("--output-irpa", type=Path, metavar="OUT.irpa", help="write the quantized parameter archive")
     parser.add_argument("--output-gguf", type=Path, metavar="OUT.gguf", help="write the quantized GGUF file")
     add_verbose(parser)
