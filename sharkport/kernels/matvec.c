@@ -3387,13 +3387,14 @@ DEFINE_BLOCK_KERNELS(BF16, bf16)
 
 // ---- blocks whose matrices' types differ ----
 //
-// llama.cpp's mixtures give a layer's matrices different types (Q4_K_M: Q4_K q, k, output
-// projection, gate and up beside a Q6_K v and down in some layers; SmolLM2's: Q5_0 beside Q8_0 and
-// Q4_K). The layer block of mixed types takes such a layer as those of one type do: each matrix's
-// planes in MIXED_SLOTS slots (kernels.PLANES order, the slots past its planes repeating one,
-// unread) and its type as an index into MIXED_KINDS (kernels.MIXED_KINDS: the same order). q, k and
-// v take a phase for each run of one type among them (q and k together, v apart, where only v's
-// differs), so a layer takes up to seven phases.
+// llama.cpp's mixtures give a layer's matrices different types (SmolLM2's and Qwen2.5's: Q5_0
+// beside a Q8_0 v and a Q4_K or Q6_K down). The layer block of mixed types takes such a layer as
+// those of one type do: each matrix's planes in MIXED_SLOTS slots (kernels.PLANES order, the slots
+// past its planes repeating one, unread) and its type as an index into MIXED_KINDS
+// (kernels.MIXED_KINDS: the same order). q, k and v take a phase for each run of one type among
+// them (q and k together, v apart, where only v's differs), so a layer takes up to seven phases.
+// kernels takes it for layers of up to MIXED_LAYER_PLANES planes (IREE binds 32 buffers to a
+// dispatch): not K-quant layers, a dispatch a product.
 #define MIXED_KINDS(F)                                                                                               \
   F(Q8_0X8, q8_0x8) F(Q4_0X8, q4_0x8) F(Q4_1X8, q4_1x8) F(Q5_0X8, q5_0x8) F(Q5_1X8, q5_1x8) F(Q4_KX8, q4_kx8)      \
   F(Q5_KX8, q5_kx8) F(Q6_KX8, q6_kx8) F(Q2_KX8, q2_kx8) F(Q3_KX8, q3_kx8) F(IQ4_NLX8, iq4_nlx8)                   \
@@ -3463,8 +3464,9 @@ INLINE matrix slot_matrix(int kind, const uint8_t *p0, const uint8_t *p1, const 
 // laid out as they are, where not null) and the attention's output [M, Nq] in scratch; at the end
 // a workgroup waits fetching `next`. Returns the phases it took.
 INLINE size_t mixed_attention_phases(const int f16, const float *h, const float *g, float eps, const matrix *w,
-                                     const int *kind, const float *bias, void *cache, const int64_t *pages, const int64_t *starts,
-                                     const int64_t *lens, const int64_t *layer, const float *rcos, const float *rsin,
+                                     const int *kind, const float *bias, void *cache, const int64_t *pages,
+                                     const int64_t *starts, const int64_t *lens, const int64_t *layer,
+                                     const float *rcos, const float *rsin,
                                      float *out, float *scratch, size_t blocks, size_t M, size_t E, size_t H,
                                      size_t Hkv, size_t D, size_t L, size_t stride, size_t R, size_t interleaved,
                                      size_t hpw, float scale, size_t window, size_t chunk, int32_t *counters,
@@ -3507,7 +3509,8 @@ INLINE void mixed_ffn_phases(const float *h, const float *g, float eps, const ma
 #define SLOTS(p)                                                                                          \
   MEMREF(const uint8_t, p##0), MEMREF(const uint8_t, p##1), MEMREF(const uint8_t, p##2),                  \
       MEMREF(const uint8_t, p##3), MEMREF(const uint8_t, p##4)
-#define SLOT_MATRIX(p, t, rows) slot_matrix(mixed_kinds[t], BASE(p##0), BASE(p##1), BASE(p##2), BASE(p##3), BASE(p##4), rows)
+#define SLOT_MATRIX(p, t, rows) \
+  slot_matrix(mixed_kinds[t], BASE(p##0), BASE(p##1), BASE(p##2), BASE(p##3), BASE(p##4), rows)
 // The layer block of mixed types: the operands of sharkport_layer_block_<type>, each matrix's
 // planes in slots, and after I each matrix's type (its index in MIXED_KINDS). y holds the output,
 // then h1, q, k and v, the attention's output and silu(gate) * up. Its _bias twin takes after v's
