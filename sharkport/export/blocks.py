@@ -1,6 +1,6 @@
 """One traced transformer block per exported function, called for every layer.
 
-torch.export costs about 3 ms per traced node (tracing, decomposition, turbine's import), and a
+torch.export takes time for every traced node (tracing, decomposition, turbine's import), and a
 model's blocks differ mostly in their weights and cache layer. So before the exporter traces the
 functions, `BlockTracer` swaps the model's blocks for calls (`BlockCall`), which emit each block
 as one node: a turbine custom op `sharkport_block.call{N}(name, layer, h, *inputs, cache)` that

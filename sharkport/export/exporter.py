@@ -120,7 +120,7 @@ def _verify(module) -> None:
 
 @contextlib.contextmanager
 def _no_stack_traces():
-    """torch.fx records the Python stack of every traced node (about 5% of the tracing time) for
+    """torch.fx records the Python stack of every traced node (at a cost in tracing time) for
     turbine to make MLIR locations of, which the saved MLIR does not print."""
     before, torch.fx.config.do_not_emit_stack_traces = torch.fx.config.do_not_emit_stack_traces, True
     try:
@@ -131,8 +131,8 @@ def _no_stack_traces():
 
 def without_dtype_asserts(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """Erases (in place) the `aten._assert_tensor_metadata` node torch.export puts before every
-    `.to(dtype)`: a runtime check of the dtype the trace already knows, 11% of SmolLM2's exported
-    ops, each costing decomposition and import time and computing nothing."""
+    `.to(dtype)`: a runtime check of the dtype the trace already knows, a large share of the
+    exported ops, each costing decomposition and import time and computing nothing."""
     graph = program.graph_module.graph
     for node in list(graph.nodes):
         if node.target is torch.ops.aten._assert_tensor_metadata.default and not node.users:

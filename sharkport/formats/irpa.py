@@ -3,9 +3,9 @@
 IREE's parameter archive v0 (iree/schemas/parameter_archive.h), laid out exactly as IREE's own
 builder (`iree_io_build_parameter_archive`, behind `ParameterIndex.create_archive_file`) lays it
 out; tests compare the bytes. sharkport writes the file itself because IREE's builder copies
-every entry through 32 KiB read/write pairs and then fsyncs the whole file, which held a
-2.2 GB import to about 0.5 GB/s. Here plain data moves by in-kernel file-range copies and
-quantized blocks are split into planes a bounded chunk at a time, straight into their place.
+every entry through 32 KiB read/write pairs and then fsyncs the whole file, which makes large
+imports slow. Here plain data moves by in-kernel file-range copies and quantized blocks are
+split into planes a bounded chunk at a time, straight into their place.
 
 Entries (docs/archive.md): plain tensors under their GGUF name, quantized ones as planes
 `<name>:<plane>` (`<name>:<plane>:x8` with rows interleaved), each carrying turbine's `PYTORCH:`

@@ -36,21 +36,16 @@
 // Q8_0 weights (with AVX-512, at two or more rows of x: see q8_x8_zmm), and Q4 weights interleaved
 // eight rows at a time (q4_x8), are fetched ahead: PREFETCH bytes ahead in one step, or in two
 // where interleaved (see FAR_AHEAD), which reads them faster than the hardware's prefetch alone.
-// (F16 one row at a time, and Q4 one row at a time, gained nothing from it.)
+// (F16 and Q4 one row at a time gain nothing from it.)
 #define PREFETCH 2048
 #define PREFETCH_LINE(p) _mm_prefetch((const char *)(p) + PREFETCH, _MM_HINT_T0)
 // The Q4 x8 loops, Q8_0's AVX-512 loop at two or more rows of x, and F16's loops at two or more
 // rows of x (but f16_row's) fetch in two steps instead: FAR_AHEAD bytes ahead into L2 (T1), then
 // NEAR_AHEAD bytes ahead into L1 (T0). One step of PREFETCH bytes into L1 keeps a core's few L1
-// misses in flight for the whole trip from memory; the step into L1 from L2 is short. SmolLM2
-// decode, tools/ab_decode.py against one step (Zen 4): Q4_1 bs1 0.956, 0.978 and 0.930 of the time,
-// bs4 0.915, 0.933 and 0.896 (4, 6 and 6 loads); with the AVX2 loops (SHARKPORT_KERNEL_ISA=avx2)
-// bs1 0.937, bs4 0.939 (6 loads); Q8_0 bs4 0.927 and 0.906, bs1 unchanged (it fetches nothing ahead
-// there: fetching its weights into L2 at one row of x took 1.044 of the time); F16 bs4 0.764 (0.695
-// to 0.846; 4 loads), bs1 unchanged (f16_row fetches nothing ahead; fetching in two steps there
-// took 1.022). 8192 bytes ahead, 512 for L1, T2 for T1, or the scales in one step did no better.
-// The AVX2 Q8_0 loop (q8_x8) keeps one step: in two, Q8_0 bs1 took 0.987 then 1.079 of the time on
-// a quieter host, bs4 0.941 then 0.999 (6 loads each); with none at one row of x, bs1 1.126.
+// misses in flight for the whole trip from memory; the step into L1 from L2 is short. Q8_0's
+// AVX-512 loop at one row of x and f16_row fetch nothing ahead, where two steps are slower.
+// Other distances, T2 for T1, or the scales in one step do no better. The AVX2 Q8_0 loop (q8_x8)
+// keeps one step: two steps, or none at one row of x, are slower there.
 #define FAR_AHEAD 4096
 #define NEAR_AHEAD 768
 #define PREFETCH_TWO_STEPS(p)                                                          \
@@ -61,10 +56,7 @@
 // The Q4 x8 loops fetch their scales (and Q4_1's offsets) as many blocks ahead as their weights:
 // a block's are 16 bytes of each plane against its 128 of weights, so an eighth as many bytes
 // ahead, a line every 4 blocks. Left to the hardware's prefetch, they are streams of their own
-// beside the weights'. SmolLM2 Q4_1 decode, tools/ab_decode.py against the loops without (Zen 4,
-// when both fetched PREFETCH bytes ahead in one step): bs1 0.969, 0.976, 0.977 and 0.974 of the
-// time, bs4 0.968, 0.979, 0.971 and 0.992 (6, 10, 8 and 8 loads); the AVX2 loops bs1 0.990, bs4
-// 0.959 (8 loads).
+// beside the weights', which is slower.
 #define PREFETCH_PLANE_LINES(d, m, b, ahead, hint)                                     \
   do {                                                                                 \
     _mm_prefetch((const char *)((d) + 8 * (b)) + (ahead), hint);                       \
@@ -470,12 +462,8 @@ INLINE void q_row(workspace *ws, int kind, const void *qn, const uint16_t *d, co
 // 16-bit lanes (|.| <= 8 * 2 * 15 * 127 < 2^15), one `madd` completes them, and lane r of one
 // vector is row r's block sum: no horizontal adds, no per-row work, and the eight outputs come out
 // as a vector.
-// tools/matvec_harness.c (q4_1 against q4_1x8), Q4_1 1536x576, medians of 5 to 7 interleaved
-// rounds on a busy host, us a product: one row of x in the caches, one thread 29.3 -> 19.2; from
-// memory, two threads 22.7 -> 18.4 (576x1536: 26.2 -> 19.3); four rows of x in the caches, one
-// thread 71.6 -> 49.2; from memory, two threads 107.9 -> 79.3 and 109.4 -> 76.2 (576x1536:
-// 128.9 -> 99.8). The loop's sums are pinned to registers: left free, gcc turned each block's
-// sums into a tree of adds whose terms spilled (four rows of x: 64 us, against 49).
+// The loop's sums are pinned to registers: left free, gcc turns each block's sums into a tree of
+// adds whose terms spill, which is slower.
 
 INLINE __m256i broadcast4(const int8_t *p) {  // 4 bytes at p in each 32-bit lane
   int32_t v;
@@ -496,15 +484,9 @@ _Static_assert(MAX_M == 8, "FOR_EACH_ROW_COUNT covers each row count of x up to 
 #define AT_ROWS_NAMED(name, MC) name##_##MC
 
 // The x8 loops keep each row i of x's sums in variables of their own (acc0 .. acc7, ...; a loop's
-// ROW(i) is its code for row i, ROWS_OF_X repeats it), rather than in arrays: gcc 12 kept arrays
-// of them in registers but also stored every one to the stack on every block (or kept them
-// there), and those stores, from memory, cost a product up to a third of its time. tools/matvec_harness.c, 1536x576, us a product, four rows of x, two
-// threads from memory: AVX-512 Q4_1 19.9 / 20.5 -> 14.0 / 13.9 (bimodal before: 11.7 in another
-// run), Q8_0 21.9 / 21.9 -> 16.8 / 17.4; one thread in the caches, eight rows: Q4_1 31.6 -> 29.3,
-// Q8_0 34.5 -> 31.3; one row unchanged. SmolLM2 decode bs4, 10 rounds side by side: Q4_1 3.334 ->
-// 3.004 ms, Q8_0 3.645 -> 3.351. The AVX2 loops (where they kept the sums on the stack): Q4_1 four
-// rows 28.4 -> 26.5 in the caches, 20.7 / 21.0 -> 19.5 / 19.4 from memory; Q8_0 and eight rows
-// within 1.5% either way (eight rows of sums outnumber AVX2's 16 registers).
+// ROW(i) is its code for row i, ROWS_OF_X repeats it), rather than in arrays: gcc 12 keeps arrays
+// of them in registers but also stores every one to the stack on every block (or keeps them
+// there), and those stores slow a product from memory.
 #define ROWS_OF_X(ROW) ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7)
 _Static_assert(MAX_M == 8, "ROWS_OF_X names the sums of each row count of x up to MAX_M");
 // name0 .. name7 of type T, each v; then the array name [MAX_M] of them (for the outputs)
@@ -581,10 +563,6 @@ INLINE void q4_x8(const workspace *ws, int kind, const uint8_t *qs, const uint16
 // of chunk j lie in lane 2r and those of chunk j + 1 in lane 2r + 1: x's 8 bytes of the two chunks
 // then meet them as one 64-bit broadcast. Lanes 2r and 2r + 1 are added once per group. The
 // results equal the AVX2 loops' up to float32 rounding.
-// tools/matvec_harness.c, 1536x576, one thread in the caches, us a product against the AVX2 loops
-// (Zen 5): Q4_1 one row of x 11.1 -> 6.2, four rows 28.5 -> 16.3; Q8_0 12.1 -> 8.0 and 39.6 ->
-// 17.9. SmolLM2 decode, 8 rounds side by side: Q4_1 bs1 2.651 -> 2.383 ms, bs4 4.652 -> 4.160;
-// Q8_0 bs1 3.014 -> 2.798, bs4 5.367 -> 4.253.
 #define Q4_X8_LOOP q4_x8_zmm
 #define Q8_X8_LOOP q8_x8_zmm
 
@@ -683,10 +661,7 @@ INLINE void q4_x8_zmm(const workspace *ws, int kind, const uint8_t *qs, const ui
 // Q8_0: `vpdpbusd` takes unsigned bytes, so the weights go in as w + 128 (w xor 0x80), and each
 // block's sum is corrected by -128 times x's block sum, an offset like Q4_0's (-128 d).
 // At one row of x the weights are not fetched ahead (the hardware's prefetch alone streams them
-// faster here): SmolLM2 Q8_0 decode bs1 through the runner, tools/ab_decode.py over 8 loads (Zen 4):
-// 0.893 (0.827 to 0.948) and 0.850 (0.788 to 0.939) of the time with the prefetch in two runs, bs4
-// unchanged (0.998, 1.024); Q4_1, whose output projection is Q8_0, 0.964 (0.890 to 1.042). Q4's x8
-// loops keep theirs (without it too: Q4_1 0.985, so about 2% slower in its Q4 products). At two or
+// faster here); Q4's x8 loops keep theirs at one row, as they are slower without it. At two or
 // more rows of x it fetches them in two steps (FAR_AHEAD).
 INLINE void q8_x8_zmm(const workspace *ws, const int8_t *qs, const uint16_t *d, size_t MC, size_t K,
                       float out[MAX_M][8]) {
@@ -720,8 +695,7 @@ INLINE void q8_x8_zmm(const workspace *ws, const int8_t *qs, const uint16_t *d, 
 #endif
 
 // q4_x8 for each row count MC of x in a function of its own, so that its loop's registers do not
-// compete with those of matvec's loop over the outputs (the same for the four-row loop this
-// replaced: SmolLM2 Q4_1 decode bs4 12.10 -> 11.48 ms).
+// compete with those of matvec's loop over the outputs.
 #define Q4_X8_AT(MC)                                                                              \
   NOINLINE void q4_x8_##MC(const workspace *ws, int kind, const uint8_t *qs, const uint16_t *d, \
                            const uint16_t *m, const uint8_t *qh, size_t K, float out[MAX_M][8]) { \
@@ -748,10 +722,6 @@ FOR_EACH_ROW_COUNT(Q4_X8_AT)
 // scales of block b together. Each chunk meets x's four values broadcast, with the sign trick of
 // Q_STEP (|w| times x with w's sign); two chunks' 16-bit sums could overflow, so each goes through
 // `madd` into 32 bits. Lane r then holds row r's block sum.
-// tools/matvec_harness.c (q8_0 against q8_0-stored), 1536x576, two rounds, us a product: one row
-// of x, one thread in the caches 49.7 / 50.5 -> 23.4 / 23.8, two threads from memory 37.2 / 35.8
-// -> 31.0 / 28.9; four rows of x in the caches 121.6 / 119.8 -> 70.2 / 70.4, from memory 73.9 /
-// 73.3 -> 46.0 / 46.7. SmolLM2 Q8_0 decode bs1 7.06 -> 6.99 ms, bs4 14.19 -> 10.83.
 INLINE void q8_x8(const workspace *ws, const int8_t *qs, const uint16_t *d, size_t MC, size_t K,
                   float out[MAX_M][8]) {
   size_t B = K / 32;
@@ -898,9 +868,7 @@ FOR_EACH_ROW_COUNT(IQ4_X8_AT)
 
 // float16 weights [N, K], K a multiple of 8, times float32 x (not quantized).
 // Eight independent multiply-add chains in all (nine at three rows of x), the FMA's latency times
-// its throughput: three or four rows of x in one chain each ran at half the FMA units' rate
-// (tools/matvec_harness.c, 1536x576, one thread in the caches: 4 rows 16.9 -> 23.7 GB/s, 3 rows
-// 19.0 -> 29.3; SmolLM2 F16 decode bs4 11.46 -> 9.40 ms).
+// its throughput: three or four rows of x in one chain each would run at half the FMA units' rate.
 #define F16_SPLIT(MC) ((MC) == 1 ? 8 : (MC) == 2 ? 4 : (MC) == 3 ? 3 : (MC) == 4 ? 2 : 1)
 
 // The sums of eight 8-lane vectors, as eight floats: _mm256_hadd_ps's tree, which transposes as it
@@ -965,17 +933,11 @@ INLINE __m512 weights16(const int bf16, __m256i v) {
 
 // f16_row in 16-lane vectors, for two or more rows of x where the object is built for AVX-512
 // (kernels.isa()): half the conversions and multiply-adds; a row's last 8 values, if K is not a
-// multiple of 16, in a step of its own (masked loads throughout ran slower than AVX2). SmolLM2 F16
-// decode bs4, 8 and 12 rounds side by side: 8.871 -> 7.392 ms, 9.156 -> 7.683. One row of x is
-// bound by memory, and took 3 to 5% longer this way (bs1 4.442 -> 4.651 ms): it stays in f16_row.
+// multiple of 16, in a step of its own (masked loads throughout run slower than AVX2). One row of x
+// is bound by memory and is slower this way: it stays in f16_row.
 // Each chain is a variable of its own (ch0 .. ch8, as ROWS_OF_X above), and the weights are read
-// ahead (PREFETCH bytes then; in two steps since, see FAR_AHEAD): kept in an array, the sums went
-// to the stack as soon as the loop held a prefetch (which then doubled a product's time; and likely
-// what made F16 slower with prefetch before). tools/matvec_harness.c, 1536x576, us a product, two
-// threads from memory: four rows of x 50.4 / 49.1 -> 43.1 / 43.1 (named sums alone 44.5 / 44.2),
-// two rows 33.6 / 34.0 -> 29.4 / 29.1; one thread in the caches, four rows 50.3 -> 46.5. SmolLM2
-// F16 decode bs4, 10 rounds side by side: 6.510 -> 6.096 ms (named sums alone 6.385), bs1 unchanged
-// (3.896 -> 3.894).
+// ahead in two steps (see FAR_AHEAD): kept in an array, the sums go to the stack as soon as the loop
+// holds a prefetch, which makes a product far slower.
 INLINE void f16_row_zmm(const int bf16, const float *x, const uint16_t *wn, size_t MC, size_t K, float *out) {
   const size_t S = F16_SPLIT(MC);  // chains a row of x: chain n is row n / S's, for vector n % S of a step
   __m512 ch0 = _mm512_setzero_ps(), ch1 = ch0, ch2 = ch0, ch3 = ch0, ch4 = ch0, ch5 = ch0, ch6 = ch0, ch7 = ch0, ch8 = ch0;
@@ -1031,10 +993,7 @@ INLINE __m256 sums8_zmm(__m512 c0, __m512 c1, __m512 c2, __m512 c3, __m512 c4, _
 // 8-lane vectors, below): f16_row_zmm's loop with each vector of x loaded once for both rows, and
 // one reduction (sums8_zmm) for the pair, where f16_row_zmm spent 8 _mm512_reduce_add_ps on each
 // row. a[8 * i] is wa's output for row i of x, b[8 * i] wb's (so a and b can be columns of
-// out[MAX_M][8]). tools/matvec_harness.c, four rows of x on two threads, us a product, the best of
-// 8 rounds interleaved: gate/up (f16-swiglu 1536x576) in the caches 143.5 -> 115.5, from memory
-// 217.1 -> 174.1. SmolLM2 F16 decode bs4 side by side (tools/ab_decode.py): 0.885 of the time over
-// 3 loads (0.870 to 0.904), 0.910 over 4 (0.856 to 0.957); bs1 unchanged.
+// out[MAX_M][8]).
 INLINE void f16_pair(const int bf16, const float *x, const uint16_t *wa, const uint16_t *wb, size_t MC, size_t K,
                      float *a, float *b) {
   const size_t S = F16_SPLIT(2 * MC);  // chains a (row of w, row of x): chain n is pair n / S's
@@ -1074,9 +1033,7 @@ INLINE void f16_pair(const int bf16, const float *x, const uint16_t *wa, const u
 #define F16_ROWS f16_row
 // f16_pair (above) in 8-lane vectors, for objects built for AVX2: each vector of x loaded once for
 // both rows of w, where f16_row for each row loaded it twice. Eight chains at most, as above; with
-// the two rows of w and four of x, 14 of the 16 vector registers. SmolLM2 F16 decode with
-// SHARKPORT_KERNEL_ISA=avx2 (Zen 4), tools/ab_decode.py against f16_row for each row, 4 loads: bs4
-// 0.664 of the time (0.629 to 0.680; 16.2 -> 10.9 ms, so bs4/bs1 2.2x -> 3.3x), bs1 unchanged.
+// the two rows of w and four of x, 14 of the 16 vector registers.
 INLINE void f16_pair(const int bf16, const float *x, const uint16_t *wa, const uint16_t *wb, size_t MC, size_t K,
                      float *a, float *b) {
   const size_t S = F16_SPLIT(2 * MC);  // chains a (row of w, row of x): chain n is pair n / S's
@@ -1162,7 +1119,7 @@ INLINE float silu(float g) {  // g * sigmoid(g), with exp only of non-positive v
 }
 
 // silu(g) * u of eight outputs at once, each as silu() computes it (which takes an exp of one
-// vector lane an output: SmolLM2 Q4_1 decode bs4 5.555 -> 5.384 ms).
+// vector lane an output).
 INLINE __m256 swiglu8(__m256 g, __m256 u) {
   const __m256 one = _mm256_set1_ps(1.0f);
   __m256 negative = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
@@ -2263,11 +2220,8 @@ INLINE void product_rows(int kind, int op, workspace *ws, const float *x, const 
     if (op == SWIGLU) {
       float up[MAX_M][8];
       if (FLOAT_WEIGHTS(kind) && !SHARKPORT_PRODUCTS) {
-        // Up to eight outputs, so that their silu goes at once (swiglu8; a silu at a time took
-        // 15% of gate/up's samples at four rows of x, a product in the caches).
-        // tools/matvec_harness.c f16-swiglu 1536x576, four rows of x, the best of 8 rounds: in the
-        // caches 115.5 -> 97.7 us, from memory 174.1 -> 156.2. SmolLM2 F16 decode bs4, 4 loads
-        // side by side, as a share of the time before f16_pair: 0.910 -> 0.878.
+        // Up to eight outputs, so that their silu goes at once (swiglu8; a silu at a time weighs
+        // on gate/up at several rows of x).
         step = n1 - n < 8 ? n1 - n : 8;
         for (size_t c = 0; c < step; ++c) {
           const uint16_t *gate = f16 + c * K, *upw = (const uint16_t *)w[1].qs + (n + c) * K;
@@ -2295,7 +2249,7 @@ INLINE void product_rows(int kind, int op, workspace *ws, const float *x, const 
     if (pairs && h) {
       // Matrix j's rows [n, end) two at a time, n + p with n + h + p: so each row of a pair walks
       // forward through the weights as one row at a time would (pairing rows n + p and n + p + 1
-      // instead read 1536x576 from memory 10 to 20% slower than one row at a time did).
+      // instead reads them from memory slower than one row at a time).
       for (size_t p = 0; p < h; ++p) {
         f16_pairs(kind == BF16, x, f16 + p * K, f16 + (h + p) * K, mc, K, out[0], out[0] + 1);
         for (size_t i = 0; i < mc; ++i) {
@@ -2534,7 +2488,7 @@ DEFINE_KERNELS(Q3_KX8, q3_kx8)
 //
 // One new position per sequence: sharkport_decode_attention rotates its k and writes k and v
 // into the cache (in place), then attends with its rotated query to the positions [0, len) of its
-// pages, in one dispatch (the write was a dispatch of its own before: 187 -> 157 a SmolLM2 step).
+// pages, in one dispatch (the write takes no dispatch of its own).
 // The cache is sharkport.layers.PagedCache's flat [pages, L, 2 (K, V), stride, Hkv, D], of float32
 // (sharkport_decode_attention) or float16 (sharkport_decode_attention_f16: half the bytes to read;
 // written rounded to nearest even as torch's .half(), read exactly).
@@ -2590,11 +2544,8 @@ INLINE void kv_write(const int f16, const float *knew, const float *vnew, void *
 
 #ifdef __AVX512F__
 // Where the object is built for AVX-512 (kernels.isa()), page_scores and page_values take 16
-// values of d at a time when D allows: half the multiply-adds and float16 conversions. SmolLM2 Q4_1
-// decode, 8 and 12 rounds side by side: bs1 1.917 -> 1.906 ms, 1.938 -> 1.881; bs4 3.445 -> 3.355,
-// 3.490 -> 3.437. tools/attention_harness.c, B 4, 150 positions, us a step: in the caches 5 to 25%
-// faster (noisy; 743.8 -> 563.8 in one run); from memory (what decode sees) 723.8 -> 721.6: there
-// the reads bound it.
+// values of d at a time when D allows: half the multiply-adds and float16 conversions, which is
+// faster in the caches; from memory (what decode sees) the reads bound it.
 INLINE __m512 load16(const int f16, const void *base, size_t i) {  // as load8
   return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i)))
              : _mm512_loadu_ps((const float *)base + i);
@@ -2615,7 +2566,7 @@ INLINE __m256 gather8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m
 
 // Scores of one page's positions [0, n) for query head qh [D]: p[j] = scale * (qh . k[j]), k[j]
 // at k + j * slot. Eight positions at a time in eight independent multiply-add chains, whose sums
-// horizontal adds gather into one vector (was: four at a time, an `hsum` each).
+// horizontal adds gather into one vector (rather than an `hsum` each).
 INLINE void page_scores(const int f16, const float *qh, const void *k, size_t slot, size_t n, size_t D, float scale,
                         float *p) {
   const __m256 sc = _mm256_set1_ps(scale);
@@ -2847,7 +2798,7 @@ INLINE void group_page(const int f16, size_t hg, const float *q, float *acc, flo
 // head_dim) and MAX_STRIDE come from CFLAGS.
 //
 // Both save time from memory (tools/attention_harness.c times them on SmolLM2's shapes); fetching
-// two pages at once gained no more, and all of them lost.
+// two pages ahead is no faster, and all of them at once is slower.
 INLINE void attention(const int f16, const float *q, const float *knew, const float *vnew, void *cache,
                       const int64_t *pages, const int64_t *starts, const int64_t *lens, const int64_t *layer,
                       const float *rcos, const float *rsin, float *out, size_t blocks, size_t H, size_t Hkv, size_t D,
@@ -2936,7 +2887,7 @@ void sharkport_decode_attention_f16(ATTENTION_ARGS(uint16_t)) { ATTENTION(1); }
 // softmax, for tiles of PA_Q consecutive positions: the chunk's K transposed once ([D][PA_CHUNK] on
 // the stack), a tile's scores are PA_Q x 16 multiply-add accumulators over d (a broadcast of q per
 // row, two loads of K^T), and its values PA_Q x 16 dims of accumulators over the chunk's keys:
-// both bound by multiply-adds, not loads, as one query at a time was.
+// both bound by multiply-adds, not by loads as one query at a time is.
 #define PREFILL_ROWS 12
 #define PA_Q 6
 #define PA_CHUNK 32
@@ -3113,37 +3064,32 @@ void sharkport_prefill_attention(MEMREF(const float, q), MEMREF(const float, k),
 // product of h RMS-normalized, attention with the cache write, the output projection with the
 // residual add; sharkport_ffn_block_<type> h + down(silu(gate(n(h))) * up(n(h))); and
 // sharkport_layer_block_<type> the one, then the other, in five phases. So a llama layer's five
-// dispatches become one (two where only one block applies: Mixtral's experts, Qwen2's biases). IREE has no barrier inside a dispatch and does not promise
-// that a dispatch's workgroups run at once (a worker may run them one after the other), so each
-// workgroup runs every phase, and the work of a phase is shared out as items that any workgroup
-// claims with atomics; a workgroup that finds a phase's items all claimed waits until they are
-// finished (a counter), then goes on to the next phase. A workgroup never waits while it holds an
-// unfinished item, and only a running workgroup claims one, so every claimed item gets finished,
-// whether the workgroups run together or one at a time. The counters are an operand the dispatch
-// updates in place (a global of the module, zero at first), which the last workgroup to leave
-// zeroes again for the next call (a fill before each dispatch cost about 2 us: SmolLM2 Q4_1 decode
-// bs1 1.940 against 1.808 ms). A workgroup waiting at the end of a phase fetches the weights it
-// will likely take first in the next phase (await_items), so that its waiting reads ahead: bs1
-// 1.892 -> 1.781 ms. The phases' work are functions of their own (NOINLINE), so that a
-// workgroup's stack holds one phase's workspace at a time. Intermediate results go to the
-// dispatch's result after the block's output y [M, E]. SmolLM2 Q4_1 decode, side by side with five
-// dispatches a layer (157 -> 67 a step; logits bit-identical): bs1 1.897 -> 1.781 ms, bs4 2.905 ->
-// 2.778.
+// dispatches become one (two where only one block applies: Mixtral's experts, Qwen2's biases).
+// IREE has no barrier inside a dispatch and does not promise that a dispatch's workgroups run at
+// once (a worker may run them one after the other), so each workgroup runs every phase, and the
+// work of a phase is shared out as items that any workgroup claims with atomics; a workgroup that
+// finds a phase's items all claimed waits until they are finished (a counter), then goes on to the
+// next phase. A workgroup never waits while it holds an unfinished item, and only a running
+// workgroup claims one, so every claimed item gets finished, whether the workgroups run together
+// or one at a time. The counters are an operand the dispatch updates in place (a global of the
+// module, zero at first), which the last workgroup to leave zeroes again for the next call
+// (cheaper than a fill before each dispatch). A workgroup waiting at the end of a phase fetches the
+// weights it will likely take first in the next phase (await_items), so that its waiting reads
+// ahead. The phases' work are functions of their own (NOINLINE), so that a workgroup's stack holds
+// one phase's workspace at a time. Intermediate results go to the dispatch's result after the
+// block's output y [M, E]. The logits are bit-identical to those of five dispatches a layer.
 //
 // A product's outputs are chunks of `chunk` rows (kernels.BLOCK_CHUNK_ROWS), in one span of
 // consecutive chunks for each workgroup. A workgroup normalizes and quantizes x once for the
 // phase, takes its own span's chunks from the front, in address order (one stream of weights,
 // whose prefetch runs on from chunk to chunk), then whatever is left of the other spans from their
-// back, and counts its chunks finished once, at the end. Before, a phase was one item per
-// workgroup, so the later one held the other at every phase's end (profile of SmolLM2 Q4_1 decode
-// bs1: 10% of the samples waiting, 4% with spans), and smaller items, each quantizing x again and
-// starting a stream of its own, were slower. Decode side by side (tools/ab_decode.py, 6 to 10
-// loads): Q4_1 bs1 0.969, 0.982 and 0.985 of the time; Q8_0 0.973; F16 0.960; bs4 0.997, 1.017
-// and 0.960; logits bit-identical.
+// back, and counts its chunks finished once, at the end. So a workgroup that runs ahead takes over
+// what is left of the others' work rather than waiting for them at the phase's end (as with one
+// item per workgroup), without smaller items, each quantizing x again and starting a stream of its
+// own (which are slower). The logits do not depend on which workgroup takes a chunk.
 //
-// The layer block against the two blocks (30 dispatches fewer a SmolLM2 step; a workgroup waiting
-// at the end of the output projection fetches its first gate/up rows): Q4_1 bs1 0.958, 0.991 and
-// 0.986 of the time (6, 10 and 16 loads), bs4 0.982; logits bit-identical.
+// The layer block (one dispatch where the two blocks take two; a workgroup waiting at the end of
+// the output projection fetches its first gate/up rows) gives logits bit-identical to theirs.
 #define COUNTER_STRIDE 16
 
 // The counters of a dispatch of P phases, each on a cache line of its own (COUNTER_STRIDE int32

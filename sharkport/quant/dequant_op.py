@@ -2,9 +2,9 @@
 body is a single `linalg.generic` with the same f32 operations, in the same order, as the torch
 code of sharkport.quant.dequant (which it runs eagerly).
 
-Traced op by op, Q4_1 costs 12 nodes per weight, and every node costs torch.export about 3 ms
-per exported function (docs/performance.md, export and compile); as one node the SmolLM2 export holds
-a third fewer ops. IREE compiles the body to the same results, bit for bit, at the same speed
+Traced op by op, Q4_1 costs 12 nodes per weight, and every node costs torch.export time in
+each exported function (docs/performance.md, export and compile); as one node, an export holds
+far fewer ops. IREE compiles the body to the same results, bit for bit, at the same speed
 (and compiles the module faster); the planes are the only operands, so the `llvm-cpu` preset
 still hoists the dequantization of weights into the module's initializer.
 
