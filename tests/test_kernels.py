@@ -1307,7 +1307,29 @@ def test_failed_kernel_build_is_one_line(tiny, tmp_path):
     false = shutil.which("false")
     line = _failed_kernel_export(tiny, tmp_path, CC=false, SHARKPORT_KERNEL_ISA="avx512")
     assert f"{false} failed to compile" in line and "matvec.c" in line, line
-    assert "SHARKPORT_KERNEL_ISA=avx2" in line, line
+    assert "SHARKPORT_KERNEL_ISA=avx2" in line and "--no-matvec-kernels" in line, line
+    assert not list(kernels.cache_dir().glob("*.part*.o")) and not list(kernels.cache_dir().glob("*.tmp"))
+
+
+def test_each_kernel_is_built_in_one_part_and_the_object_holds_them_all():
+    """matvec.c builds as build.PARTS objects at once (-DSHARKPORT_PART=k), combined into one: each
+    exported kernel is defined in exactly one part, the parts define every kernel the whole file
+    does, and the combined object (what iree-compile links) holds each of them."""
+    from sharkport.kernels import build
+
+    cc = os.environ.get("CC", "cc")
+
+    def defined(part: int) -> list[str]:
+        run = subprocess.run([cc, *kernels.cflags(), f"-DSHARKPORT_PART={part}", "-E", "-P", str(build.SOURCE)],
+                             capture_output=True, text=True, check=True)
+        return re.findall(r"\bvoid (sharkport_\w+)\(", run.stdout)
+
+    whole = defined(-1)
+    parts = [name for k in range(build.PARTS) for name in defined(k)]
+    assert build.PARTS > 1 and len(set(whole)) == len(whole) > 100
+    assert sorted(parts) == sorted(whole)
+    nm = subprocess.run(["nm", str(kernels.object_path())], capture_output=True, text=True, check=True).stdout
+    assert set(whole) <= {line.split()[-1] for line in nm.splitlines() if " T " in line}
 
 
 def test_each_kernel_isa_builds_its_own_object(monkeypatch):

@@ -56,13 +56,13 @@ def export_files(source: Path, output_mlir: Path, output_config: Path, output_vm
     from ..kernels import object_path
 
     if matvec_kernels:  # builds the kernels' object now: a missing C compiler fails before the export
-        object_path()
+        object_path(log)
     dataset = Dataset.load(source)
     sharded = open_or_shard(dataset, tensor_parallelism_size, output_irpa, log)  # None: unsharded
     if matvec_kernels is None:
         matvec_kernels = kernels_apply(target, sharded is None)
         if matvec_kernels:
-            object_path()
+            object_path(log)
     if output_tokenizer_dir:  # first: it is quick and fails before the slow export does
         from ..tokenizer import write_hf_tokenizer
 

@@ -1,5 +1,6 @@
 """matvec.c compiled for x86-64 by the system C compiler (`$CC`, else `cc`) with AVX2, FMA and
-F16C, plus AVX-512 with VNNI where the exporting machine has it (`isa`), into `cache_dir()`; the
+F16C, plus AVX-512 with VNNI where the exporting machine has it (`isa`), into `cache_dir()`: in
+matvec.c's SHARKPORT_PARTS parts at once, one on each CPU, combined into one object (`cc -r`); the
 MLIR names the object (`matvec-<hash of the C file and flags>.o`, so an MLIR compiles with the
 kernels it was exported with), and iree-compile links it into the .vmfb from there
 (`compile_flags_for`), so iree-run-module, the runner and shortfin need nothing more."""
@@ -8,11 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import time
 import os
 import platform
 import re
 import shutil
 import subprocess
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
@@ -34,6 +38,9 @@ ISA_ENV = "SHARKPORT_KERNEL_ISA"
 # products only read their weights, =none kernels whose products read nothing; both give zeros.
 PRODUCTS_ENV = "SHARKPORT_KERNEL_PRODUCTS"
 PRODUCTS = {"full": 0, "loads": 1, "none": 2}  # matvec.c's SHARKPORT_PRODUCTS
+# matvec.c compiles as this many objects, each with its share of the exported kernels: they build
+# in parallel, and gcc takes far longer and far more memory over the whole file than over its parts
+PARTS = int(re.search(rb"#define SHARKPORT_PARTS (\d+)", SOURCE.read_bytes()).group(1))
 
 
 def cache_dir() -> Path:
@@ -103,8 +110,9 @@ def available() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64") and shutil.which(_compiler()) is not None
 
 
-def object_path() -> Path:
-    """matvec.c compiled for x86-64 into cache_dir() (built once per source and flags).
+def object_path(log: Callable[[str], None] | None = None) -> Path:
+    """matvec.c compiled for x86-64 into cache_dir() (built once per source and flags; `log`, where
+    given, hears when a build starts and ends).
 
     The MLIR names the object and iree-compile links it from there
     (`--iree-hal-executable-object-search-path`, which `compile_mlir` adds): IREE 3.9 fails to
@@ -117,23 +125,57 @@ def object_path() -> Path:
         raise SharkportError(f"--matvec-kernels needs a C compiler to build {SOURCE.name}: {cc!r} is not on PATH "
                              "(install gcc or clang, set CC, or export without --matvec-kernels)")
     flags = tuple(cflags())
-    return _built(cc, flags, cache_dir() / _object_name(cc, flags))
+    obj = cache_dir() / _object_name(cc, flags)
+    if obj.exists() or log is None:
+        return _built(cc, flags, obj)
+    jobs = _jobs()
+    log(f"building the kernels ({SOURCE.name} for {isa()}, once per version: {PARTS} parts, {jobs} at a time) ...")
+    t0 = time.perf_counter()
+    _built(cc, flags, obj)
+    log(f"built the kernels in {time.perf_counter() - t0:.0f} s: {obj}")
+    return obj
+
+
+def _jobs() -> int:
+    """Compilers run at once: one for each CPU this process may use, at most PARTS."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(PARTS, cpus))
 
 
 @cache
 def _built(cc: str, flags: tuple[str, ...], obj: Path) -> Path:
-    """obj, matvec.c compiled by cc with flags unless the cache already holds it."""
-    if not obj.exists():
-        obj.parent.mkdir(parents=True, exist_ok=True)
-        tmp = obj.with_suffix(f".{os.getpid()}.tmp")
-        run = subprocess.run([cc, *flags, "-c", str(SOURCE), "-o", str(tmp)], capture_output=True, text=True)
-        if run.returncode:
-            tmp.unlink(missing_ok=True)
-            first = (run.stderr.strip().splitlines() or ["no output"])[0]
-            hint = f"; {ISA_ENV}=avx2 builds without AVX-512" if ISA_FLAGS["avx512"][0] in flags else ""
-            raise SharkportError(f"--matvec-kernels: {cc} failed to compile {SOURCE} ({first}{hint})")
+    """obj, matvec.c compiled by cc with flags unless the cache already holds it: its PARTS parts
+    at once, then combined into one relocatable object."""
+    if obj.exists():
+        return obj
+    obj.parent.mkdir(parents=True, exist_ok=True)
+    tmp = obj.with_suffix(f".{os.getpid()}.tmp")
+    parts = [obj.with_suffix(f".{os.getpid()}.part{k}.o") for k in range(PARTS)]
+
+    def compile_part(k: int) -> subprocess.CompletedProcess:
+        return subprocess.run([cc, *flags, f"-DSHARKPORT_PART={k}", "-c", str(SOURCE), "-o", str(parts[k])],
+                              capture_output=True, text=True)
+
+    try:
+        with ThreadPoolExecutor(_jobs()) as pool:
+            for run in pool.map(compile_part, range(PARTS)):
+                _check(run, cc, "compile", flags)
+        _check(subprocess.run([cc, "-r", "-nostdlib", *map(str, parts), "-o", str(tmp)], capture_output=True,
+                              text=True), cc, "combine the parts of", flags)
         os.replace(tmp, obj)
+    finally:
+        for leftover in (*parts, tmp):
+            leftover.unlink(missing_ok=True)
     return obj
+
+
+def _check(run: subprocess.CompletedProcess, cc: str, what: str, flags: tuple[str, ...]) -> None:
+    """One line naming the compiler, what it failed to do and its first message, where it failed."""
+    if run.returncode:
+        first = (run.stderr.strip().splitlines() or ["no output"])[0]
+        hint = f"; {ISA_ENV}=avx2 builds without AVX-512" if ISA_FLAGS["avx512"][0] in flags else ""
+        raise SharkportError(f"--matvec-kernels: {cc} failed to {what} {SOURCE} ({first}{hint}; "
+                             "--no-matvec-kernels exports without them)")
 
 
 @contextlib.contextmanager

@@ -33,6 +33,14 @@
 #define BASE(name) (name##_aligned + name##_offset)  // MLIR: element i is at aligned + offset + i
 #define INLINE static inline __attribute__((always_inline))
 #define NOINLINE static __attribute__((noinline))
+// The file compiles as SHARKPORT_PARTS objects at once (build.py: -DSHARKPORT_PART=0, 1, ...),
+// each defining the exported kernels of the sections marked IN_PART of it; the static functions
+// they call are compiled in each part that calls them. Without SHARKPORT_PART, all of them.
+#define SHARKPORT_PARTS 4
+#ifndef SHARKPORT_PART
+#define SHARKPORT_PART -1
+#endif
+#define IN_PART(n) (SHARKPORT_PART < 0 || SHARKPORT_PART == (n))
 // Q8_0 weights (with AVX-512, at two or more rows of x: see q8_x8_zmm), and Q4 weights interleaved
 // eight rows at a time (q4_x8), are fetched ahead: PREFETCH bytes ahead in one step, or in two
 // where interleaved (see FAR_AHEAD), which reads them faster than the hardware's prefetch alone.
@@ -451,7 +459,7 @@ INLINE void q_row(workspace *ws, int kind, const void *qn, const uint16_t *d, co
 //
 // Read as stored, a row of a Q4 w at a time spends on each row a fixed cost (its scales, the sum
 // of its lanes) that rivals its blocks' products when rows are short (SmolLM2: 18 blocks), and
-// rows read together meet in lanes only through `hadd`s, which this CPU issues at a quarter of
+// rows read together meet in lanes only through `hadd`s, which x86 CPUs issue at a fraction of
 // the rate of `maddubs`. So the module multiplies by a copy of each Q4 matrix whose rows are
 // interleaved in groups of eight (sharkport.kernels.interleave_rows, computed once as the module
 // loads): per group and block b, 128 bytes hold 4 bytes of each of the eight rows' 16, chunk j
@@ -2450,6 +2458,7 @@ INLINE void matvec(int kind, int op, const float *x, const float *g, float eps, 
         swiglu_##lower, BASE(x), BASE(g), eps, (matrix[]){MAT_##T(a, N), MAT_##T(b, N)}, 2, 0, BASE(y), M, N,    \
         K, rows, wg)
 
+#if IN_PART(0)
 DEFINE_KERNELS(Q8_0, q8_0)
 DEFINE_KERNELS(Q4_0, q4_0)
 DEFINE_KERNELS(Q4_1, q4_1)
@@ -2459,6 +2468,8 @@ DEFINE_KERNELS(Q8_0X8, q8_0x8)
 DEFINE_KERNELS(F16, f16)
 DEFINE_KERNELS(Q5_0, q5_0)
 DEFINE_KERNELS(Q5_0X8, q5_0x8)
+#endif
+#if IN_PART(1)
 DEFINE_KERNELS(Q4_K, q4_k)
 DEFINE_KERNELS(Q4_KX8, q4_kx8)
 DEFINE_KERNELS(Q5_K, q5_k)
@@ -2466,6 +2477,8 @@ DEFINE_KERNELS(Q6_K, q6_k)
 DEFINE_KERNELS(BF16, bf16)
 DEFINE_KERNELS(Q3_K, q3_k)
 DEFINE_KERNELS(Q2_K, q2_k)
+#endif
+#if IN_PART(2)
 DEFINE_KERNELS(Q5_1, q5_1)
 DEFINE_KERNELS(Q5_1X8, q5_1x8)
 DEFINE_KERNELS(Q5_KX8, q5_kx8)
@@ -2476,6 +2489,7 @@ DEFINE_KERNELS(IQ4_XS, iq4_xs)
 DEFINE_KERNELS(IQ4_XSX8, iq4_xsx8)
 DEFINE_KERNELS(Q2_KX8, q2_kx8)
 DEFINE_KERNELS(Q3_KX8, q3_kx8)
+#endif
 #undef X_ARG
 #undef NORM_ARG
 #undef N_ARGS
@@ -2874,8 +2888,10 @@ INLINE void attention(const int f16, const float *q, const float *knew, const fl
 #define ATTENTION(f16)                                                                                        \
   attention(f16, BASE(q), BASE(knew), BASE(vnew), BASE(cache), BASE(pages), BASE(starts), BASE(lens), BASE(layer), \
             BASE(rcos), BASE(rsin), BASE(out), blocks, H, Hkv, D, L, stride, R, interleaved, hpw, scale, window, wg)
+#if IN_PART(2)
 void sharkport_decode_attention(ATTENTION_ARGS(float)) { ATTENTION(0); }
 void sharkport_decode_attention_f16(ATTENTION_ARGS(uint16_t)) { ATTENTION(1); }
+#endif
 
 // ---- prefill attention: causal, over the prompt's own K and V ----
 
@@ -3051,11 +3067,13 @@ INLINE void prefill_attention(const float *q, const float *k, const float *v, fl
     }
 }
 
+#if IN_PART(2)
 void sharkport_prefill_attention(MEMREF(const float, q), MEMREF(const float, k), MEMREF(const float, v),
                                  MEMREF(float, out), size_t S, size_t H, size_t Hkv, size_t D, float scale,
                                  size_t window, size_t wg) {
   prefill_attention(BASE(q), BASE(k), BASE(v), BASE(out), S, H, Hkv, D, scale, window, wg);
 }
+#endif
 
 
 // ---- A decode layer in one dispatch (or two): phases with a barrier between them ----
@@ -3322,6 +3340,7 @@ NOINLINE void attention_item(const int f16, const float *q, const float *knew, c
     leave(BASE(phase_counters), ATTENTION_PHASES + FFN_PHASES, workgroups);                                          \
   }
 
+#if IN_PART(3)  // the block kernels, to the end of the file
 DEFINE_BLOCK_KERNELS(Q8_0, q8_0)
 DEFINE_BLOCK_KERNELS(Q4_0, q4_0)
 DEFINE_BLOCK_KERNELS(Q4_1, q4_1)
@@ -3491,3 +3510,4 @@ MIXED_LAYER_BLOCK(float, 0, sharkport_layer_block_mixed, (), 0)
 MIXED_LAYER_BLOCK(uint16_t, 1, sharkport_layer_block_mixed_f16, (), 0)
 MIXED_LAYER_BLOCK(float, 0, sharkport_layer_block_mixed_bias, (, MEMREF(const float, qkv_bias)), BASE(qkv_bias))
 MIXED_LAYER_BLOCK(uint16_t, 1, sharkport_layer_block_mixed_bias_f16, (, MEMREF(const float, qkv_bias)), BASE(qkv_bias))
+#endif  // IN_PART(3)
