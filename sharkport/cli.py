@@ -71,8 +71,11 @@ def _import(argv: list[str]) -> int:
               "A GGUF file is imported by `sharkport dump-gguf --output-irpa` (quantized tensors stay packed),\n"
               "a Hugging Face checkpoint folder by `sharkport import-hf`; see their --help for the other flags.")
         return 0
-    if module.endswith("dump_gguf") and "--quiet" not in argv:
-        argv = [*argv, "--quiet"]  # the import alone, without dump_gguf's report
+    if module.endswith("dump_gguf"):
+        if not any(a.split("=")[0] in ("--output-irpa", "--save") for a in argv):
+            raise SharkportError("sharkport import needs --output-irpa X.irpa (where to write the archive)")
+        if "--quiet" not in argv:
+            argv = [*argv, "--quiet"]  # the import alone, without dump_gguf's report
     return importlib.import_module(module).main(argv)
 
 

@@ -10,8 +10,8 @@ import argparse
 import sys
 
 from .errors import cli_main, prog
-from .tools._cli import (add_archive_source, add_generation_args, add_module_files, add_verbose, archive_path,
-                         generation_options)
+from .tools._cli import (add_archive_source, add_device, add_generation_args, add_module_files, add_verbose,
+                         archive_path, generation_options)
 
 
 def run_generation(generator, args: argparse.Namespace) -> int:
@@ -61,10 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                     "--do-sample; prompts of any length are batched over the exported batch sizes.")
     add_module_files(parser)
     add_archive_source(parser)
-    parser.add_argument("--device", help="IREE device: local-task (the default for a CPU module), local-sync, "
-                                          "cuda://0, hip://0 or vulkan://0 (a GPU module's default is the first "
-                                          "GPU of its kind: docs/devices.md); for a tensor-parallel module N "
-                                          "local-sync devices, or give N comma-separated URIs: docs/parallel.md")
+    add_device(parser)
     parser.add_argument("--pages", type=int, help="KV cache pages to allocate (default: the config's device_block_count)")
     add_generation_args(parser)
     add_verbose(parser)

@@ -131,6 +131,8 @@ def test_sharkport_import_is_dump_gguf_output_irpa(small_gguf, tmp_path):
     assert (tmp_path / "a.irpa").read_bytes() == (tmp_path / "b.irpa").read_bytes()
     proc = run("sharkport", "import", "--output-irpa", str(tmp_path / "c.irpa"), check_rc=2)
     _assert_one_line_error(proc, "--gguf-file", "--model-dir", "--hf-dataset")
+    proc = run("sharkport", "import", "--gguf-file", str(small_gguf), check_rc=2)  # nowhere to write it
+    _assert_one_line_error(proc, "--output-irpa")
 
 
 def test_old_flag_names_still_work_but_are_not_offered(small_gguf, tmp_path):

@@ -331,7 +331,7 @@ def main() -> None:
     weights: dict[str, tuple[int, int]] = {}
     probe = BandwidthProbe()
     if export.matvec_kernels:
-        # built once per version of matvec.c into a cache (about 18 s of C compile), not part of
+        # built once per version of matvec.c into a cache (about 1.5 minutes on 2 cores), not part of
         # any one export: the first type's export would time it
         kernels.object_path()
     for t in types:

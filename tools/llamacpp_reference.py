@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""llama.cpp's decode and prefill speed on SmolLM2-135M at F16, Q8_0, Q4_1 and Q4_0, measured on
-this machine as a reference for tools/bench.py (issue 6: decode at the memory-bandwidth limit):
+"""llama.cpp's decode and prefill speed on SmolLM2-135M (by default at F16, Q8_0, Q4_1, Q4_0 and
+Q5_0), measured on the same host as a reference for tools/bench.py:
 
-    python tools/llamacpp_reference.py [--types f16,q8_0,q4_1,q4_0] [--threads 2] [--cache-dir DIR]
+    python tools/llamacpp_reference.py [--types f16,q8_0,q4_1,q4_0,q5_0] [--threads 2] [--cache-dir DIR]
 
 llama.cpp comes from its Python binding, an optional developer reference (not a dependency of
 sharkport or its tests), built from source for this CPU:

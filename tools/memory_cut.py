@@ -10,8 +10,8 @@ KV cache + 300 MB) and what this machine has free.
     python tools/memory_cut.py [--shape llama3-8b] [--type q4_k_m] [--layers 2,4]
                                [--work-dir artifacts/memory] [--markdown out.md]
 
-Llama-3-8B's shapes at Q4_K_M with cuts of 2 and 4 layers write about 6 GB of GGUFs and take
-about 10 minutes.
+Llama-3-8B's shapes at Q4_K_M with cuts of 2 and 4 layers write about 11 GB of files (GGUFs and
+archives) and take a few minutes.
 """
 
 from __future__ import annotations

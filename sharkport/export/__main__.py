@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
         prog=prog("sharkport.export"),
         description="Export a model's paged-KV-cache prefill_bs{N}/decode_bs{N} functions to MLIR "
                     "with external parameters (scope 'model'), plus the service config JSON. "
-                    "Unrecognised --iree-* flags are passed to iree-compile.")
+                    "Unrecognised --iree-* flags (as --iree-flag=value) are passed to iree-compile.")
     add_model_source(parser)
     parser.add_argument("--output-mlir", type=Path, required=True, help="where to write the MLIR")
     parser.add_argument("--output-config", type=Path, required=True, help="where to write the service config JSON")
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                              "faster prefill with quantized weights, a faster compile and about half the memory "
                              "(docs/performance.md); the "
                              "MLIR then compiles only for x86-64 CPUs. Default: on for a CPU target on one device "
-                             "where a C compiler is on PATH, else off; --no-matvec-kernels: IREE's code only")
+                             "where the exporting host is x86-64 with a C compiler on PATH, else off; --no-matvec-kernels: IREE's code only")
     parser.add_argument("--target", type=_target, default="llvm-cpu", metavar="TARGET",
                         help="what --output-vmfb runs on (default llvm-cpu: the host CPU; weights that IREE's "
                              "own code multiplies by (all of them with --no-matvec-kernels) are dequantized and "

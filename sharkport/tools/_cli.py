@@ -37,6 +37,14 @@ def archive_path(args: argparse.Namespace) -> Path:
     return args.irpa_file or hf_dataset_path(args.hf_dataset, "irpa")
 
 
+def add_device(parser: argparse.ArgumentParser) -> None:
+    """--device: the IREE device a compiled module runs on (IreeSession's default where not given)."""
+    parser.add_argument("--device", help="IREE device: local-task (the default for a CPU module), local-sync, "
+                                          "cuda://0, hip://0 or vulkan://0 (a GPU module's default is the first "
+                                          "GPU of its kind: docs/devices.md); for a tensor-parallel module N "
+                                          "local-sync devices, or give N comma-separated URIs: docs/parallel.md")
+
+
 def add_module_files(parser: argparse.ArgumentParser, vmfb_required: bool = True) -> None:
     """--vmfb and --config: a compiled module and the service config exported with it."""
     parser.add_argument("--vmfb", type=Path, required=vmfb_required,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..dump_inputs import dump_prompt
 from ..errors import cli_main, prog
-from ._cli import add_archive_source, add_module_files, add_verbose, archive_path, parse_args
+from ._cli import add_archive_source, add_device, add_module_files, add_verbose, archive_path, parse_args
 
 
 @cli_main
@@ -39,9 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chat", action="store_true", help="format --prompt with the archive's chat template")
     parser.add_argument("--output-npy-dir", type=Path, required=True, metavar="DIR",
                         help="where to write each call's inputs, the runner's outputs and commands.sh")
-    parser.add_argument("--device", help="IREE device (default: local-task for a CPU module, the first GPU of its kind for a GPU module)")
+    add_device(parser)
     parser.add_argument("--pages", type=int,
-                        help="cache pages in the dumped cache_state (default: just enough for the prompt)")
+                        help="cache pages in the dumped cache_state (default: just enough for the prompt, its first "
+                             "decode step and the scratch page)")
     add_verbose(parser)
     args = parse_args(parser, argv, {"--output-dir": "--output-npy-dir"})
     irpa = archive_path(args)

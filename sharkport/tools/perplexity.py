@@ -18,7 +18,7 @@ from pathlib import Path
 from ..errors import SharkportError, cli_main, prog
 from ..perplexity import open_session, perplexity, read_text, report
 from ..quality import DEFAULT_TOP_K, BaseLogits
-from ._cli import add_model_source, add_verbose, hf_dataset_path, model_path
+from ._cli import add_device, add_model_source, add_verbose, hf_dataset_path, model_path
 
 
 @cli_main
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=DEFAULT_TOP_K,
                         help=f"with --save-logits: log-probabilities kept per position (default {DEFAULT_TOP_K}; "
                              "0: the whole vocabulary, exact KLD, V x 8 bytes a position)")
-    parser.add_argument("--device", help="IREE device (default: local-task for a CPU module, the first GPU of its kind for a GPU module)")
+    add_device(parser)
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     add_verbose(parser)
     args = parser.parse_args(argv)

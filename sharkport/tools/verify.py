@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..errors import cli_main, prog
 from ..verify import ATOL, DECISIVE, HEADER, SIGMAS, verify_files
-from ._cli import add_archive_source, add_module_files, add_verbose, archive_path, parse_args
+from ._cli import add_archive_source, add_device, add_module_files, add_verbose, archive_path, parse_args
 
 
 @cli_main
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                             "8-bit activations move a real model's logits by up to about 0.9 of them)")
     parser.add_argument("--min-top1", type=float, default=0.99,
                         help="smallest allowed share of the positions counted with the same top-1 token (default 0.99)")
-    parser.add_argument("--device", help="IREE device (default: local-task for a CPU module, the first GPU of its kind for a GPU module)")
+    add_device(parser)
     add_verbose(parser)
     args = parse_args(parser, argv, {"--hf-model": "--model-dir"})
     irpa = archive_path(args)
