@@ -1113,6 +1113,27 @@ def test_blocks_compute_what_the_five_kernels_do_on_any_worker_count(kernel_modu
         np.testing.assert_array_equal(got, want, err_msg=f"three workgroups on {workers} IREE workers")
 
 
+def test_attention_items_split_among_more_workgroups_than_items(kernel_module, monkeypatch, tmp_path):
+    """Exported for more CPUs than a block's attention items (the tiny llama's one kv head at batch
+    1 on 4 CPUs), each item's pages are split into the parts kernels.attention_splits gives (4),
+    which any workgroup takes and each merges before the output projection: the logits agree to
+    float32 rounding with those of the export without blocks (whose attention is a dispatch of its
+    own, unsplit), over one page and two (parts without a page among them), on 4, 2 and 1 IREE
+    workers; the split op run eagerly decodes as it does."""
+    _, irpa, _, _ = kernel_module("q4_1")
+    monkeypatch.setattr(kernels.layout, "cpus", lambda: 4)
+    assert kernels.layout.attention_splits(1, 4) == 4 and kernels.layout.attention_splits(4, 4) == 1
+    split = _export_without([], irpa, tmp_path, "split", monkeypatch)
+    assert re.search(r"sharkport_layer_block_\w+_m1_\w+_p4_wg4", split[0].with_suffix(".mlir").read_text())
+    products = _export_without(["layer_block", "attention_block", "ffn_block"], irpa, tmp_path, "products",
+                               monkeypatch)
+    want = _decode_logits(products, tmp_path, "products")
+    for workers in (4, 2, 1):
+        got = _decode_logits(split, tmp_path, f"split{workers}", f"--task_topology_group_count={workers}")
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=f"{workers} workers")
+    _eager_decodes_as_compiled(*split)
+
+
 def test_layer_block_run_eagerly_decodes_as_compiled(kernel_module):
     """The layer block's op run eagerly (what tracing falls back on outside IREE: the products as
     the kernels compute them, attention writing the cache in place) gives the compiled module's

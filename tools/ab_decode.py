@@ -6,6 +6,7 @@ order of the one before. Prints each module's ratio to the first module's at eac
 (default 1 and 4): the geometric mean over the loads, and their range:
 
     python tools/ab_decode.py A.vmfb B.vmfb [...] [--irpa x.irpa] [--rounds 10] [--steps 15] [--loads 2]
+                              [--position 128]
 
 Each module's service config is the .json beside it (as tools/bench.py writes them); its archive
 is --irpa, else the .irpa beside it of its stem, or of the stem cut at its last dashes until one
@@ -13,6 +14,8 @@ exists (artifacts/bench/smollm2-q4_1-kv-f16.vmfb reads smollm2-q4_1.irpa). Decod
 tools/bench.py's (its Subject over 64 pages, with its warm-up steps before each batch's measured
 ones): one position a step from 128, back to 128 past 512, so that the default 10 rounds of 15
 steps reach about position 300, further than the bench's 6 rounds of 4 (attention grows with it).
+--position starts there instead (a long context: up to the bench export's 2048 positions), the
+cache holding 384 positions more (as from 128), back to the start past them.
 
 Where a module's weights land as it loads moves its speed: copies of one module loaded in one
 process decoded up to 11% apart, steadily over 12 rounds, which is more than many changes gain. So each load (a
@@ -28,7 +31,10 @@ import multiprocessing
 import statistics
 from pathlib import Path
 
-from bench import Subject, warm_up
+from bench import EXPORT, PAGES, PROMPT_LEN, STRIDE, Subject, warm_up
+
+MAX_POSITION = EXPORT.max_seq_len
+AHEAD = PAGES // 4 * STRIDE - PROMPT_LEN  # positions measured before going back to the start
 
 
 def archive_for(vmfb: Path) -> Path:
@@ -50,6 +56,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,4", help="batch sizes (default 1,4)")
     parser.add_argument("--loads", type=int, default=2,
                         help="fresh processes loading the modules, the order reversed each time (default 2)")
+    parser.add_argument("--position", type=int, default=PROMPT_LEN,
+                        help=f"the first decode position (default {PROMPT_LEN}); at most {MAX_POSITION - 1}")
     args = parser.parse_args()
     if len(args.vmfb) < 2:
         parser.error("give two or more modules")
@@ -59,6 +67,9 @@ def main() -> None:
                      "decode positions hold four sequences)")
     if args.rounds < 1 or args.steps < 1 or args.loads < 1:
         parser.error("--rounds, --steps and --loads take a whole number of at least 1")
+    if not 1 <= args.position < MAX_POSITION:
+        parser.error(f"--position {args.position}: give a position from 1 to {MAX_POSITION - 1} (the bench "
+                     "export's max_seq_len)")
     batches = [int(p) for p in parts]
     modules = []
     for vmfb in args.vmfb:
@@ -72,7 +83,7 @@ def main() -> None:
     for load in range(args.loads):  # each in a process of its own: a fresh heap for its modules
         order = modules if load % 2 == 0 else modules[::-1]
         with spawn.Pool(1) as pool:
-            run = pool.apply(measure, (order, batches, args.rounds, args.steps))
+            run = pool.apply(measure, (order, batches, args.rounds, args.steps, args.position))
         runs.append(run if load % 2 == 0 else {(n - 1 - i, b): t for (i, b), t in run.items()})
     print(f"{args.loads} loads (processes), the load order reversed each time; each {args.rounds} rounds of "
           f"{args.steps} steps a module and batch, the order alternating; ms a step (the loads' medians of "
@@ -86,11 +97,14 @@ def main() -> None:
         shown = [f"{math.prod(r) ** (1 / len(r)):.3f} ({min(r):.3f} to {max(r):.3f})" if i else "1" for r in ratios]
         print(f"| {vmfb} | " + " | ".join(f"{m:.3f}" for m in ms) + " | " + " | ".join(shown) + " |")
 
-def measure(modules, batches: list[int], rounds: int, steps: int) -> dict[tuple[int, int], float]:
+def measure(modules, batches: list[int], rounds: int, steps: int,
+            position: int = PROMPT_LEN) -> dict[tuple[int, int], float]:
     """{(module index, batch): median over the rounds of each round's median step, in seconds} of
     the modules (vmfb, irpa, json), loaded in their order in this process, measured in `rounds`
-    interleaved rounds (the order alternating) of `steps` steps after the bench's warm-up."""
-    subjects = [Subject(*m) for m in modules]
+    interleaved rounds (the order alternating) of `steps` steps after the bench's warm-up, from
+    decode `position` on."""
+    rows = -(-min(MAX_POSITION, position + AHEAD) // STRIDE)  # pages a sequence: PAGES / 4 at PROMPT_LEN
+    subjects = [Subject(*m, pages=4 * rows, start=position) for m in modules]
     times = {(i, b): [] for i in range(len(subjects)) for b in batches}
     for r in range(rounds):
         order = list(range(len(subjects)))

@@ -119,6 +119,18 @@ def kv_heads_per_workgroup(batch: int, kv_heads: int, gd: int) -> int:
     return max([w for w in fits if batch * (kv_heads // w) >= cpus()], default=1)
 
 
+# parts of its positions a block's decode attention item is split into at most (matvec.c's MAX_SPLITS)
+MAX_ATTENTION_SPLITS = 4
+
+
+def attention_splits(items: int, workgroups: int) -> int:
+    """How many parts of its pages each of a block's `items` decode attention items (sequences
+    times kv-head groups) is split into: the fewest, up to MAX_ATTENTION_SPLITS, that share the
+    items' work most evenly among the workgroups, each workgroup then merging the parts (SmolLM2 at
+    batch 1: 3 items on 2 CPUs, one of them idle for an item a layer, become 6)."""
+    return min(range(1, MAX_ATTENTION_SPLITS + 1), key=lambda s: (-(-items * s // workgroups) / s, s))
+
+
 def block_counters(phases: int) -> int:
     """int32 phase counters of a block dispatch of `phases` phases (matvec.c's BLOCK_COUNTERS(P,
     W), each on a line of 16): for each phase a line for each workgroup's span and one of the items

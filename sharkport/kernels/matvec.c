@@ -28,6 +28,7 @@
 // on its stack; IREE's workers have 128 KiB) and XN_FLOATS (values of RMS-normalized x it keeps)
 // come from sharkport.kernels' CFLAGS.
 #define MAX_M 8
+#define MAX_SPLITS 4  // parts of a decode attention item in a block (kernels.MAX_ATTENTION_SPLITS)
 #define MEMREF(T, name) \
   T *restrict name, T *restrict name##_aligned, size_t name##_offset, size_t name##_size, size_t name##_stride
 #define BASE(name) (name##_aligned + name##_offset)  // MLIR: element i is at aligned + offset + i
@@ -2809,7 +2810,9 @@ INLINE void group_page(const int f16, size_t hg, const float *q, float *acc, flo
 // AVX-512 and D a multiple of 64, two or three query heads of a kv head at a time (group_page),
 // so that each vector of K and V is read and widened once for them. It fetches the first page's
 // rows at once, then each next page's along the way. MAX_GD (query heads per workgroup times
-// head_dim) and MAX_STRIDE come from CFLAGS.
+// head_dim) and MAX_STRIDE come from CFLAGS. With `splits` above 1 it takes part `split` of the
+// pages (the last part writes the new k and v, as only it reads their page) and writes to `part`
+// its sums, maxima and totals for merge_splits instead of out.
 //
 // Both save time from memory (tools/attention_harness.c times them on SmolLM2's shapes); fetching
 // two pages ahead is no faster, and all of them at once is slower.
@@ -2817,13 +2820,15 @@ INLINE void attention(const int f16, const float *q, const float *knew, const fl
                       const int64_t *pages, const int64_t *starts, const int64_t *lens, const int64_t *layer,
                       const float *rcos, const float *rsin, float *out, size_t blocks, size_t H, size_t Hkv, size_t D,
                       size_t L, size_t stride, size_t R, size_t interleaved, size_t hpw, float scale, size_t window,
-                      size_t wg) {
+                      size_t wg, size_t split, size_t splits, float *part) {
   size_t G = H / Hkv, heads = hpw * G;  // query heads a kv head, a workgroup
-  if (!hpw || Hkv % hpw || heads * D > MAX_GD || stride > MAX_STRIDE || D % 8 || R > D)
+  if (!hpw || Hkv % hpw || heads * D > MAX_GD || stride > MAX_STRIDE || D % 8 || R > D || split >= splits)
     return;  // never traced: kernels routes only these
   size_t b = wg / (Hkv / hpw), g0 = wg % (Hkv / hpw) * hpw;
-  for (size_t g = g0; g < g0 + hpw; ++g)
-    kv_write(f16, knew, vnew, cache, pages, starts, layer, rcos, rsin, blocks, Hkv, D, L, stride, R, interleaved, b, g);
+  if (split == splits - 1)  // the split with the last page, where the new position goes
+    for (size_t g = g0; g < g0 + hpw; ++g)
+      kv_write(f16, knew, vnew, cache, pages, starts, layer, rcos, rsin, blocks, Hkv, D, L, stride, R, interleaved, b,
+               g);
   const int64_t *page_ids = pages + b * blocks;
   size_t len = (size_t)lens[b], l = (size_t)layer[0], bytes = f16 ? 2 : 4;
   size_t slot_elems = Hkv * D, kv_elems = stride * slot_elems;  // one K (or V) of a page and layer
@@ -2836,21 +2841,25 @@ INLINE void attention(const int f16, const float *q, const float *knew, const fl
   // positions seen: [first, len), the last `window` of them with a sliding window (keys t with
   // len - 1 - t < window, as ops.length_mask)
   size_t first = window && len > window ? len - window : 0, t_first = first - first % stride;
-  if (len) {  // the first page's rows at once (the walk fetches each next page while on one)
-    size_t rows = len - t_first < stride ? len - t_first : stride, seg = hpw * D * bytes;
-    const char *k = (const char *)cache + ((size_t)page_ids[t_first / stride] * L + l) * 2 * kv_elems * bytes +
+  // this split's pages of those seen: [t_lo, t_end) of positions
+  size_t seen_pages = len > t_first ? (len - t_first + stride - 1) / stride : 0;
+  size_t t_lo = t_first + seen_pages * split / splits * stride;
+  size_t t_hi = t_first + seen_pages * (split + 1) / splits * stride, t_end = t_hi < len ? t_hi : len;
+  if (t_lo < t_end) {  // the first page's rows at once (the walk fetches each next page while on one)
+    size_t rows = t_end - t_lo < stride ? t_end - t_lo : stride, seg = hpw * D * bytes;
+    const char *k = (const char *)cache + ((size_t)page_ids[t_lo / stride] * L + l) * 2 * kv_elems * bytes +
                     g0 * D * bytes;
     next_page pf0 = {k, 0, seg, slot_elems * bytes, rows, k + kv_elems * bytes, rows, 2 * rows * ((seg + 63) / 64)};
     prefetch_next_page(&pf0);
   }
-  for (size_t t0 = t_first; t0 < len; t0 += stride) {
+  for (size_t t0 = t_lo; t0 < t_end; t0 += stride) {
     size_t skip = t0 < first ? first - t0 : 0;  // rows of the page before the window
     size_t n = (len - t0 < stride ? len - t0 : stride) - skip;
     const char *page = (const char *)cache + ((size_t)page_ids[t0 / stride] * L + l) * 2 * kv_elems * bytes +
                        skip * slot_elems * bytes;
     next_page pf = {0};
-    if (t0 + stride < len) {
-      size_t rows = len - t0 - stride < stride ? len - t0 - stride : stride, seg = hpw * D * bytes;
+    if (t0 + stride < t_end) {
+      size_t rows = t_end - t0 - stride < stride ? t_end - t0 - stride : stride, seg = hpw * D * bytes;
       const char *k = (const char *)cache + ((size_t)page_ids[t0 / stride + 1] * L + l) * 2 * kv_elems * bytes +
                       g0 * D * bytes;
       pf = (next_page){k, 0, seg, slot_elems * bytes, rows, k + kv_elems * bytes, rows,
@@ -2874,9 +2883,39 @@ INLINE void attention(const int f16, const float *q, const float *knew, const fl
       ++h;
     }
   }
+  if (splits > 1) {  // the split's sums, maxima and totals for merge_splits
+    for (size_t i = 0; i < heads * D; ++i) part[i] = acc[i];
+    for (size_t h = 0; h < heads; ++h) part[heads * D + h] = run_max[h], part[heads * (D + 1) + h] = run_sum[h];
+    return;
+  }
   float *ob = out + (b * H + g0 * G) * D;
   for (size_t h = 0; h < heads; ++h)
     for (size_t d = 0; d < D; ++d) ob[h * D + d] = acc[h * D + d] / run_sum[h];
+}
+
+// out [M, H D]: the `splits` parts of each of the M (Hkv / hpw) attention items merged, each part
+// a split's sums over its positions [heads, D], its maxima [heads] and totals [heads] (heads = hpw
+// G), as attention() writes them: each head's sums rescaled to the largest maximum.
+INLINE void merge_splits(const float *parts, float *out, size_t M, size_t H, size_t Hkv, size_t D, size_t hpw,
+                         size_t splits) {
+  size_t G = H / Hkv, heads = hpw * G, per = heads * (D + 2);
+  if (splits > MAX_SPLITS) return;  // never traced: kernels.attention_splits gives at most these
+  for (size_t item = 0; item < M * (Hkv / hpw); ++item) {
+    const float *part = parts + item * splits * per;  // its first part
+    size_t b = item / (Hkv / hpw), g0 = item % (Hkv / hpw) * hpw;
+    float *ob = out + (b * H + g0 * G) * D;
+    for (size_t h = 0; h < heads; ++h) {
+      const float *maxima = part + heads * D + h, *totals = part + heads * (D + 1) + h;  // a part apart
+      float m = -__builtin_inff(), total = 0.0f, w[MAX_SPLITS];
+      for (size_t s = 0; s < splits; ++s) m = maxima[s * per] > m ? maxima[s * per] : m;
+      for (size_t s = 0; s < splits; ++s) w[s] = exp_scalar(maxima[s * per] - m), total += w[s] * totals[s * per];
+      for (size_t d = 0; d < D; ++d) {
+        float sum = 0.0f;
+        for (size_t s = 0; s < splits; ++s) sum += w[s] * part[s * per + h * D + d];
+        ob[h * D + d] = sum / total;
+      }
+    }
+  }
 }
 
 #define ATTENTION_ARGS(T)                                                                                    \
@@ -2887,7 +2926,8 @@ INLINE void attention(const int f16, const float *q, const float *knew, const fl
       size_t hpw, float scale, size_t window, size_t wg
 #define ATTENTION(f16)                                                                                        \
   attention(f16, BASE(q), BASE(knew), BASE(vnew), BASE(cache), BASE(pages), BASE(starts), BASE(lens), BASE(layer), \
-            BASE(rcos), BASE(rsin), BASE(out), blocks, H, Hkv, D, L, stride, R, interleaved, hpw, scale, window, wg)
+            BASE(rcos), BASE(rsin), BASE(out), blocks, H, Hkv, D, L, stride, R, interleaved, hpw, scale, window, wg, \
+            0, 1, 0)
 #if IN_PART(2)
 void sharkport_decode_attention(ATTENTION_ARGS(float)) { ATTENTION(0); }
 void sharkport_decode_attention_f16(ATTENTION_ARGS(uint16_t)) { ATTENTION(1); }
@@ -3230,13 +3270,41 @@ NOINLINE void attention_item(const int f16, const float *q, const float *knew, c
                              const int64_t *pages, const int64_t *starts, const int64_t *lens, const int64_t *layer,
                              const float *rcos, const float *rsin, float *out, size_t blocks, size_t H, size_t Hkv,
                              size_t D, size_t L, size_t stride, size_t R, size_t interleaved, size_t hpw, float scale,
-                             size_t window, size_t item) {
+                             size_t window, size_t item, size_t split, size_t splits, float *part) {
   if (f16)
     attention(1, q, knew, vnew, cache, pages, starts, lens, layer, rcos, rsin, out, blocks, H, Hkv, D, L, stride, R,
-              interleaved, hpw, scale, window, item);
+              interleaved, hpw, scale, window, item, split, splits, part);
   else
     attention(0, q, knew, vnew, cache, pages, starts, lens, layer, rcos, rsin, out, blocks, H, Hkv, D, L, stride, R,
-              interleaved, hpw, scale, window, item);
+              interleaved, hpw, scale, window, item, split, splits, part);
+}
+
+// Phase p of a block: decode attention of q, k, v [M, Nq + 2 Nkv] into att [M, Nq], its M (Hkv /
+// hpw) items each in `splits` parts of its pages (kernels.attention_splits: so that more
+// workgroups than items share the work), claimed one at a time; then waits fetching `next`.
+// Returns the attention's output for the next phase: att, or where the items were split, this
+// workgroup's merge of their parts (kept in `split_scratch`): workgroup 0's into att, the others'
+// into copies of their own after the parts.
+INLINE const float *attention_phase(const int f16, const float *qkv, void *cache, const int64_t *pages,
+                                    const int64_t *starts, const int64_t *lens, const int64_t *layer,
+                                    const float *rcos, const float *rsin, float *att, float *split_scratch,
+                                    size_t splits, size_t blocks, size_t M, size_t H, size_t Hkv, size_t D, size_t L,
+                                    size_t stride, size_t R, size_t interleaved, size_t hpw, float scale,
+                                    size_t window, int32_t *counters, size_t p, size_t W, size_t wg, upcoming next) {
+  size_t Nq = H * D, Nkv = Hkv * D, items = M * (Hkv / hpw) * splits, per = hpw * (H / Hkv) * (D + 2);
+  int32_t *claimed = counters + SPAN_LINE(p, 0, W) * COUNTER_STRIDE;
+  size_t done = 0;
+  for (size_t item; (item = claim_item(claimed)) < items; ++done)
+    attention_item(f16, qkv, qkv + M * Nq, qkv + M * (Nq + Nkv), cache, pages, starts, lens, layer, rcos, rsin, att,
+                   blocks, H, Hkv, D, L, stride, R, interleaved, hpw, scale, window, item / splits, item % splits,
+                   splits, split_scratch + item * per);
+  int32_t *finished = counters + FINISHED_LINE(p, W) * COUNTER_STRIDE;
+  finish_items(finished, done);
+  await_items(finished, items, next);
+  if (splits == 1) return att;
+  float *merged = wg ? split_scratch + items * per + (wg - 1) * M * Nq : att;
+  merge_splits(split_scratch, merged, M, H, Hkv, D, hpw, splits);
+  return merged;
 }
 
 // The block kernels of weight type T (the attention block's planes: q's, k's, v's, then the
@@ -3286,41 +3354,38 @@ NOINLINE void attention_item(const int f16, const float *q, const float *knew, c
       MEMREF(const float, rcos), MEMREF(const float, rsin), ARGS_##T(o)
 #define ATTENTION_CONSTANTS                                                                                          \
   size_t blocks, size_t M, size_t E, size_t H, size_t Hkv, size_t D, size_t L, size_t stride, size_t R,             \
-      size_t interleaved, size_t hpw, float scale, size_t window
-#define ATTENTION_PHASES_CALL(lower, suffix, T, out, scratch, next)                                                  \
+      size_t interleaved, size_t hpw, float scale, size_t window, size_t splits
+#define ATTENTION_PHASES_CALL(lower, suffix, T, out, scratch, split_scratch, next)                                   \
   attention_phases_##lower##suffix(BASE(x), BASE(g), eps, (matrix[3]){MAT_##T(a, H * D), MAT_##T(b, Hkv * D),        \
                                    MAT_##T(c, Hkv * D)}, (matrix[1]){MAT_##T(o, E)}, BASE(cache), BASE(pages),       \
                                    BASE(starts), BASE(lens), BASE(layer), BASE(rcos), BASE(rsin), out, scratch,      \
-                                   blocks, M, E, H, Hkv, D, L, stride, R, interleaved, hpw, scale, window, chunk,    \
-                                   BASE(phase_counters), workgroups, wg, next)
+                                   split_scratch, splits, blocks, M, E, H, Hkv, D, L, stride, R, interleaved, hpw,   \
+                                   scale, window, chunk, BASE(phase_counters), workgroups, wg, next)
 #define ATTENTION_BLOCK(T, lower, C, f16, suffix)                                                                    \
   /* Phases 0 to 2: out = h + o(attention(q, k, v of n(h))), q, k, v [M, Nq + 2 Nkv] and then the   \
-     attention's output [M, Nq] in scratch; at the end a workgroup waits fetching `next`. */                       \
+     attention's output [M, Nq] in scratch (its split parts in split_scratch: see attention_phase);  \
+     at the end a workgroup waits fetching `next`. */                                                                \
   INLINE void attention_phases_##lower##suffix(                                                                      \
       const float *h, const float *g, float eps, const matrix *qkv_w, const matrix *o_w, C *cache,                   \
       const int64_t *pages, const int64_t *starts, const int64_t *lens, const int64_t *layer, const float *rcos,     \
-      const float *rsin, float *out, float *scratch, size_t blocks, size_t M, size_t E, size_t H, size_t Hkv,        \
-      size_t D, size_t L, size_t stride, size_t R, size_t interleaved, size_t hpw, float scale, size_t window,       \
-      size_t chunk, int32_t *counters, size_t W, size_t wg, upcoming next) {                                         \
-    size_t Nq = H * D, Nkv = Hkv * D, Nqkv = Nq + 2 * Nkv, items = M * (Hkv / hpw);                                  \
+      const float *rsin, float *out, float *scratch, float *split_scratch, size_t splits, size_t blocks, size_t M,   \
+      size_t E, size_t H, size_t Hkv, size_t D, size_t L, size_t stride, size_t R, size_t interleaved, size_t hpw,   \
+      float scale, size_t window, size_t chunk, int32_t *counters, size_t W, size_t wg, upcoming next) {             \
+    size_t Nq = H * D, Nkv = Hkv * D, Nqkv = Nq + 2 * Nkv;                                                           \
     float *qkv = scratch, *att = qkv + M * Nqkv;                                                                     \
     const upcoming nothing = {{0}, {0}};                                                                             \
     concat_phase_##lower(h, g, eps, qkv_w, 3, 0, qkv, M, Nqkv, E, chunk, counters, 0, W, wg, nothing);               \
-    int32_t *claimed = counters + SPAN_LINE(1, 0, W) * COUNTER_STRIDE;                                               \
-    size_t done = 0;                                                                                                 \
-    for (size_t item; (item = claim_item(claimed)) < items; ++done)                                                  \
-      attention_item(f16, qkv, qkv + M * Nq, qkv + M * (Nq + Nkv), cache, pages, starts, lens, layer, rcos, rsin,    \
-                     att, blocks, H, Hkv, D, L, stride, R, interleaved, hpw, scale, window, item);                   \
-    int32_t *finished = counters + FINISHED_LINE(1, W) * COUNTER_STRIDE;                                             \
-    finish_items(finished, done);                                                                                    \
-    await_items(finished, items, own_span(T, o_w, Nq, chunk, W, wg));                                                \
-    concat_phase_##lower(att, 0, 0, o_w, 1, h, out, M, E, Nq, chunk, counters, 2, W, wg, next);                      \
+    const float *merged = attention_phase(f16, qkv, cache, pages, starts, lens, layer, rcos, rsin, att,              \
+                                          split_scratch, splits, blocks, M, H, Hkv, D, L, stride, R, interleaved,    \
+                                          hpw, scale, window, counters, 1, W, wg, own_span(T, o_w, Nq, chunk, W, wg)); \
+    concat_phase_##lower(merged, 0, 0, o_w, 1, h, out, M, E, Nq, chunk, counters, 2, W, wg, next);                   \
   }                                                                                                                  \
   void sharkport_attention_block_##lower##suffix(                                                                    \
       MEMREF(const float, x), MEMREF(const float, g), ATTENTION_OPERANDS(T, C), MEMREF(int32_t, phase_counters),     \
       MEMREF(float, y), ATTENTION_CONSTANTS, size_t chunk, float eps, size_t workgroups, size_t wg) {                \
     const upcoming nothing = {{0}, {0}};                                                                             \
-    ATTENTION_PHASES_CALL(lower, suffix, T, BASE(y), BASE(y) + M * E, nothing);                                      \
+    float *scratch = BASE(y) + M * E; /* q, k, v, the attention's output, then the split parts */                  \
+    ATTENTION_PHASES_CALL(lower, suffix, T, BASE(y), scratch, scratch + M * (2 * H * D + 2 * Hkv * D), nothing);    \
     leave(BASE(phase_counters), ATTENTION_PHASES, workgroups);                                                       \
   }                                                                                                                  \
   /* A whole llama layer: the attention block's phases into h1, then the FFN block's on h1 (normed   \
@@ -3334,7 +3399,7 @@ NOINLINE void attention_item(const int f16, const float *q, const float *knew, c
     matrix gate_up[2] = {MAT_##T(e, I), MAT_##T(f, I)}, down[1] = {MAT_##T(u, E)};                                   \
     float *out = BASE(y), *h1 = out + M * E, *scratch = h1 + M * E;                                                  \
     float *act = scratch + M * (2 * H * D + 2 * Hkv * D);                                                            \
-    ATTENTION_PHASES_CALL(lower, suffix, T, h1, scratch, own_span(T, gate_up, E, chunk, workgroups, wg));            \
+    ATTENTION_PHASES_CALL(lower, suffix, T, h1, scratch, act + M * I, own_span(T, gate_up, E, chunk, workgroups, wg)); \
     ffn_phases_##lower(h1, BASE(g2), eps, gate_up, down, act, out, M, E, I, chunk, BASE(phase_counters),             \
                        ATTENTION_PHASES, workgroups, wg);                                                            \
     leave(BASE(phase_counters), ATTENTION_PHASES + FFN_PHASES, workgroups);                                          \
@@ -3431,13 +3496,13 @@ INLINE matrix slot_matrix(int kind, const uint8_t *p0, const uint8_t *p1, const 
 INLINE size_t mixed_attention_phases(const int f16, const float *h, const float *g, float eps, const matrix *w,
                                      const int *kind, const float *bias, void *cache, const int64_t *pages,
                                      const int64_t *starts, const int64_t *lens, const int64_t *layer,
-                                     const float *rcos, const float *rsin,
-                                     float *out, float *scratch, size_t blocks, size_t M, size_t E, size_t H,
+                                     const float *rcos, const float *rsin, float *out, float *scratch,
+                                     float *split_scratch, size_t splits, size_t blocks, size_t M, size_t E, size_t H,
                                      size_t Hkv, size_t D, size_t L, size_t stride, size_t R, size_t interleaved,
                                      size_t hpw, float scale, size_t window, size_t chunk, int32_t *counters,
                                      size_t W, size_t wg, upcoming next) {
   const upcoming nothing = {{0}, {0}};
-  size_t Nq = H * D, Nkv = Hkv * D, items = M * (Hkv / hpw), p = 0;
+  size_t Nq = H * D, Nkv = Hkv * D, p = 0;
   float *qkv = scratch, *att = qkv + M * (Nq + 2 * Nkv);
   for (size_t j = 0, first = 0, e; j < 3; j = e) {  // q, k, v: a phase for each run of one type
     size_t N = w[j].n;
@@ -3447,16 +3512,10 @@ INLINE size_t mixed_attention_phases(const int f16, const float *h, const float 
                     counters, p++, W, wg, ahead);
     first += N;
   }
-  int32_t *claimed = counters + SPAN_LINE(p, 0, W) * COUNTER_STRIDE;
-  size_t done = 0;
-  for (size_t item; (item = claim_item(claimed)) < items; ++done)
-    attention_item(f16, qkv, qkv + M * Nq, qkv + M * (Nq + Nkv), cache, pages, starts, lens, layer, rcos, rsin, att,
-                   blocks, H, Hkv, D, L, stride, R, interleaved, hpw, scale, window, item);
-  int32_t *finished = counters + FINISHED_LINE(p, W) * COUNTER_STRIDE;
-  finish_items(finished, done);
-  await_items(finished, items, own_span(kind[3], &w[3], Nq, chunk, W, wg));
-  ++p;
-  concat_phase_of(kind[3], att, 0, 0, &w[3], 1, h, out, M, E, Nq, chunk, counters, p++, W, wg, next);
+  const float *merged = attention_phase(f16, qkv, cache, pages, starts, lens, layer, rcos, rsin, att, split_scratch,
+                                        splits, blocks, M, H, Hkv, D, L, stride, R, interleaved, hpw, scale, window,
+                                        counters, p++, W, wg, own_span(kind[3], &w[3], Nq, chunk, W, wg));
+  concat_phase_of(kind[3], merged, 0, 0, &w[3], 1, h, out, M, E, Nq, chunk, counters, p++, W, wg, next);
   return p;
 }
 
@@ -3499,8 +3558,9 @@ INLINE void mixed_ffn_phases(const float *h, const float *g, float eps, const ma
     float *act = scratch + M * (2 * H * D + 2 * Hkv * D);                                                         \
     size_t p = mixed_attention_phases(f16, BASE(x), BASE(g), eps, attention_w, attention_kind, bias, BASE(cache), \
                                       BASE(pages), BASE(starts), BASE(lens), BASE(layer), BASE(rcos), BASE(rsin), \
-                                      h1, scratch, blocks, M, E, H, Hkv, D, L, stride, R, interleaved, hpw,      \
-                                      scale, window, chunk, BASE(phase_counters), workgroups, wg,                 \
+                                      h1, scratch, act + M * I, splits, blocks, M, E, H, Hkv, D, L, stride, R,   \
+                                      interleaved, hpw, scale, window, chunk, BASE(phase_counters), workgroups,   \
+                                      wg,                                                                         \
                                       own_span(ffn_kind[0], ffn_w, E, chunk, workgroups, wg));                    \
     mixed_ffn_phases(h1, BASE(g2), eps, ffn_w, ffn_kind, act, out, M, E, I, chunk, BASE(phase_counters), p,       \
                      workgroups, wg);                                                                             \

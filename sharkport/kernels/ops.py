@@ -208,8 +208,15 @@ def _block_eager(shape: BlockShape, *args) -> torch.Tensor:
     y = _eager(shape.kind, FORMS["matvec_add"], att, *o, x)
     if shape.form == "layer":
         ffn = _ffn_eager(shape, y, *rest[4 * per + 7:])
-        return torch.cat([ffn[:y.numel()], y.flatten(), qkv, att.flatten(), ffn[y.numel():]])
-    return torch.cat([y.flatten(), qkv, att.flatten()])
+        return _with_parts(shape, [ffn[:y.numel()], y.flatten(), qkv, att.flatten(), ffn[y.numel():]])
+    return _with_parts(shape, [y.flatten(), qkv, att.flatten()])
+
+
+def _with_parts(shape: BlockShape, pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The block's result from its pieces, flattened, with zeros where the kernel keeps a split
+    attention's parts (BlockShape.widths: scratch of the dispatch, not a result)."""
+    flat = torch.cat(pieces)
+    return torch.cat([flat, flat.new_zeros(shape.rows * sum(shape.widths) - flat.numel())])
 
 
 def _mixed_eager(shape: BlockShape, x, g, *rest) -> torch.Tensor:
@@ -229,7 +236,7 @@ def _mixed_eager(shape: BlockShape, x, g, *rest) -> torch.Tensor:
     y = _eager(kinds[3], FORMS["matvec_add"], att, *planes[3], x)
     act = _eager(kinds[4], FORMS["swiglu_norm"], y, g2, *planes[4], *planes[5], shape.eps)
     out = _eager(kinds[6], FORMS["matvec_add"], act, *planes[6], y)
-    return torch.cat([t.flatten() for t in (out, y, q, k, v, att, act)])
+    return _with_parts(shape, [t.flatten() for t in (out, y, q, k, v, att, act)])
 
 
 def _ffn_eager(shape: BlockShape, x, g, *planes) -> torch.Tensor:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from .layout import BLOCK_CHUNK_ROWS, MIXED_KINDS, MIXED_SLOTS, PLANES, workgroups
+from .layout import BLOCK_CHUNK_ROWS, MIXED_KINDS, MIXED_SLOTS, PLANES, attention_splits, workgroups
 
 
 def float_bits(value: float) -> int:
@@ -152,6 +152,7 @@ class BlockShape:
     def name(self) -> str:
         sizes = "" if self.form == "ffn" else self.attention.name.removeprefix("sharkport_decode_attention")
         sizes += f"_i{self.inner}" if self.inner else ""
+        sizes += f"_p{self.splits}" if self.splits > 1 else ""
         types = f"_t{''.join(chr(ord('a') + MIXED_KINDS.index(k)) for k in self.kinds)}" if self.kinds else ""
         types += "_b" if self.bias else ""
         return (f"sharkport_{self.form}_block_{self.kind.lower()}{types}_m{self.rows}_e{self.width}"
@@ -161,6 +162,14 @@ class BlockShape:
     def c_name(self) -> str:
         bias = "_bias" if self.bias else ""
         return f"sharkport_{self.form}_block_{self.kind.lower()}{bias}{self.attention.c_suffix if self.attention else ''}"
+
+    @property
+    def splits(self) -> int:
+        """Parts of its pages each attention item is split into (kernels.attention_splits)."""
+        if self.attention is None:
+            return 1
+        a = self.attention
+        return attention_splits(self.rows * (a.kv_heads // a.kv_heads_per_workgroup), workgroups())
 
     @property
     def phases(self) -> int:
@@ -190,14 +199,16 @@ class BlockShape:
     def widths(self) -> tuple[int, ...]:
         """The dispatch's result, per row of h: the output, then the intermediates (FFN: silu(g) *
         u; attention: q, k, v, then the attention's output; layer: the attention block's output,
-        the attention's intermediates, the FFN's)."""
+        the attention's intermediates, the FFN's); where the attention's items are split, their
+        parts (each head's sums, maximum and total) and the other workgroups' merged copies."""
         if self.form == "ffn":
             return self.width, self.inner
         a = self.attention
         q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
+        parts = (self.splits * a.heads * (a.head_dim + 2), (workgroups() - 1) * q) if self.splits > 1 else ()
         if self.form == "layer":
-            return self.width, self.width, q, kv, kv, q, self.inner
-        return self.width, q, kv, kv, q
+            return self.width, self.width, q, kv, kv, q, self.inner, *parts
+        return self.width, q, kv, kv, q, *parts
 
     def constants(self) -> list[tuple[str, str]]:
         """The C function's constant arguments after its memrefs (and the attention's page
@@ -209,5 +220,5 @@ class BlockShape:
         if self.form == "ffn":
             return [index(self.rows), index(self.width), index(self.inner), *last]
         types = [index(MIXED_KINDS.index(k)) for k in self.kinds]  # a mixed layer's, after I
-        return [index(self.rows), index(self.width), *self.attention.constants(),
+        return [index(self.rows), index(self.width), *self.attention.constants(), index(self.splits),
                 *([index(self.inner)] if self.form == "layer" else []), *types, *last]
