@@ -9,19 +9,19 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import time
 import os
 import platform
 import re
 import shutil
 import subprocess
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
 from ..errors import SharkportError
-from .layout import MAX_GD, MAX_K, MAX_NORMED, MAX_STRIDE
+from .layout import MAX_GD, MAX_K, MAX_NORMED, MAX_STRIDE, cpus
 
 SOURCE = Path(__file__).with_name("matvec.c")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffreestanding", "-fPIC", "-fno-stack-protector",
@@ -138,8 +138,7 @@ def object_path(log: Callable[[str], None] | None = None) -> Path:
 
 def _jobs() -> int:
     """Compilers run at once: one for each CPU this process may use, at most PARTS."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(PARTS, cpus))
+    return max(1, min(PARTS, cpus()))
 
 
 @cache
