@@ -24,7 +24,7 @@ COMMANDS = {
     "generate": ("sharkport.tools.generate", "generate text with the eager PyTorch recipe (the reference)"),
     "verify": ("sharkport.tools.verify", "compare a compiled module with the eager recipe (and transformers)"),
     "perplexity": ("sharkport.tools.perplexity", "perplexity over a text, KL-divergence against a base model"),
-    "check": ("sharkport.tools.check", "check an archive's or a GGUF's metadata against its tensors"),
+    "check": ("sharkport.tools.check", "check a model's metadata against its tensors, a module against its config"),
     "quantize": ("sharkport.tools.quantize", "quantize an archive's matrices (gguf.quants bytes)"),
     "dump-gguf": ("sharkport.tools.dump_gguf", "print what a GGUF file holds; dump or import its tensors"),
     "import-hf": ("sharkport.tools.import_hf", "import a Hugging Face checkpoint folder"),
