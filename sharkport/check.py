@@ -217,7 +217,7 @@ def expected_entries(layouts: dict[str, dict[str, Any]]) -> Iterator[tuple[str, 
             yield name, name, PLAIN_TYPES[type_name][1], shape
         elif type_name in BLOCK_TYPES and shape and shape[-1] % BLOCK_TYPES[type_name].block_size == 0:
             for plane, (plane_shape, dtype) in BLOCK_TYPES[type_name].plane_shapes(shape).items():
-                yield name, plane_key(name, plane, "interleaved_rows" in layout), dtype.name, plane_shape
+                yield name, plane_key(name, plane, "interleaved_rows" in layout, type_name), dtype.name, plane_shape
 
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1, "int16": 2, "int32": 4}

@@ -85,12 +85,13 @@ def test_archive_layout(imported):
 def test_rows_are_interleaved_eight_at_a_time(mixed_gguf, imported, type_name):
     """Per group of eight rows and block b, the archive's qs holds 4 bytes of each row's block at
     a time (chunk j of row r at byte 4 (8 j + r) of the group's block), then the eight rows'
-    scales (and fifth bits) of block b side by side: byte for byte what the GGUF holds."""
+    scales (and fifth bits) of block b side by side: byte for byte what the GGUF holds, but for
+    the fifth bits' places in a row's 32 (value 16 h + 4 j + t's at bit 8 t + 2 j + h)."""
     name = f"t.{type_name.lower()}"
     raw = next(t for t in gguf.GGUFReader(mixed_gguf).tensors if t.name == name).data  # [rows, bytes]
     block = raw.reshape(SHAPE[0], SHAPE[1] // 32, -1)  # [rows, blocks, block bytes]
     entries = dict(ParameterArchive(imported).items())
-    plane = lambda p: np.asarray(entries[f"{name}:{p}:x8"].raw.file_view).reshape(-1)  # noqa: E731
+    plane = lambda p: np.asarray(entries[f"{name}:{p}:x8" + "p" * (p == "qh")].raw.file_view).reshape(-1)  # noqa: E731
     qs_at = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4, "Q5_0": 6}[type_name]  # qs's offset in the block struct
     size = block.shape[2] - qs_at
     row, b, j = 13, 2, 3  # row 13 is lane 5 of the second group
@@ -100,8 +101,27 @@ def test_rows_are_interleaved_eight_at_a_time(mixed_gguf, imported, type_name):
     d = plane("d").view(np.uint8).reshape(2, block.shape[1], 8, 2)  # [groups, blocks, lanes, f16 bytes]
     np.testing.assert_array_equal(d[1, b, 5], block[row, b, :2])
     if type_name == "Q5_0":
-        qh = plane("qh").reshape(2, block.shape[1], 8, 4)
-        np.testing.assert_array_equal(qh[1, b, 5], block[row, b, 2:6])
+        placed = int.from_bytes(plane("qh").reshape(2, block.shape[1], 8, 4)[1, b, 5].tobytes(), "little")
+        stored = int.from_bytes(block[row, b, 2:6].tobytes(), "little")
+        assert [placed >> (8 * t + 2 * j + h) & 1 for h in range(2) for j in range(4) for t in range(4)] == \
+            [stored >> v & 1 for v in range(32)]
+
+
+def test_an_archive_of_fifth_bits_in_value_order_is_refused(imported, tmp_path):
+    """An archive whose interleaved Q5 fifth bits are in value order (`:qh:x8`, as older sharkport
+    wrote them) is refused in one line saying to re-import, not read as the placed ones."""
+    import iree.runtime as rt
+
+    from sharkport.archive import read_archive
+
+    index, old = rt.ParameterIndex(), rt.ParameterIndex()
+    index.load(str(imported))
+    for key, entry in index.items():
+        old.add_buffer(key.removesuffix(":x8p") + ":x8" if key.endswith(":x8p") else key,
+                       bytes(np.asarray(entry.file_view)), metadata=entry.metadata.decode() or None)
+    old.create_archive_file(str(tmp_path / "old.irpa"))
+    with pytest.raises(SharkportError, match=r"old\.irpa: holds t\.q5_[01]:qh:x8, Q5 fifth bits .*; re-import"):
+        read_archive(tmp_path / "old.irpa")
 
 
 def test_unsupported_type_names_tensor_and_writes_nothing(tmp_path):
@@ -206,8 +226,8 @@ def _iree_archive(gguf_path, irpa, metadata):
             planes = {field: np.ascontiguousarray(blocks[field]).reshape(*shape[:-1], -1, *([count] if count > 1 else []))
                       for field, _, count in BLOCK_TYPES[name].fields}
             x8 = interleaves(name, shape)
-            for field, plane in (interleave_planes(planes) if x8 else planes).items():
-                keys.append(plane_key(t.name, field, x8))
+            for field, plane in (interleave_planes(name, planes) if x8 else planes).items():
+                keys.append(plane_key(t.name, field, x8, name))
                 index.add_buffer(keys[-1], plane.tobytes(),
                                  metadata=entry_metadata(torch.from_numpy(plane).dtype, plane.shape))
         for key, blob in metadata_blobs(metadata, keys):

@@ -202,6 +202,39 @@ def test_row_kernels_equal_gguf_dequantization(rows, n, k, isa, two_cpus, tmp_pa
         np.testing.assert_allclose(part, want, rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=kind)
 
 
+QUANTIZED_KINDS = ["Q8_0", "Q4_0", "Q4_1", *ROW_KINDS]
+
+
+def _largest_blocks(kind: str, n: int, k: int) -> np.ndarray:
+    """n rows of k values of `kind` whose every value has its type's largest magnitude: every bit
+    of the values and sub-block scales set (Q8_0's values 127), block scales 1/1024, mins 0."""
+    t = BLOCK_TYPES[kind]
+    raw = np.full((n, k // t.block_size * t.type_size), 0xFF, np.uint8)
+    blocks = raw.reshape(-1).view(t.struct)
+    if kind == "Q8_0":
+        blocks["qs"] = 127
+    for field in ("d", "dmin", "m"):
+        if field in blocks.dtype.names:
+            blocks[field] = np.float16(2.0 ** -10 if field == "d" else 0)
+    return raw
+
+
+@pytest.mark.parametrize("rows, n", [(1, 80), (4, 80), (8, 80), (4, 83)])
+def test_products_of_the_largest_values_equal_gguf_dequantization(rows, n, isa, two_cpus, tmp_path):
+    """Every quantized type at its largest values times x whose every value quantizes to 127 or
+    -127 (rows of ones and of minus ones): the sums of a block's products at their largest, which
+    must not overflow whatever width the kernels add them in. Interleaved (80 rows) and a row at a
+    time (83), 1, 4 and 8 rows of x."""
+    raws = [_largest_blocks(kind, n, 512) for kind in QUANTIZED_KINDS]
+    weights = [weight_from_raw(kind, (n, 512), raw) for kind, raw in zip(QUANTIZED_KINDS, raws)]
+    x = torch.ones((rows, 512))
+    x[1::2] = -1
+    got = _compile_and_run(_Products(weights), x, tmp_path=tmp_path)
+    for kind, raw, part in zip(QUANTIZED_KINDS, raws, np.split(got, len(QUANTIZED_KINDS), axis=1)):
+        want = _x_seen(kind, x.numpy()).astype(np.float64) @ _dense(kind, raw).T
+        np.testing.assert_allclose(part, want, rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=kind)
+
+
 def test_x_per_256_is_llama_cpps_q8_k():
     """x quantized for the K-quants (quantized_x, as matvec.c's quantize_x_k) is llama.cpp's own
     Q8_K: quantize_row_q8_K_ref then dequantize_row_q8_K from the llama-cpp-python build, bit for
@@ -1249,7 +1282,7 @@ def test_interleaved_rows_are_read_from_the_archive_as_stored(kernel_module, qua
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "Q5_0"])
 def test_interleaved_rows_read_as_the_weights_as_stored(kind):
     """quant.interleave_planes puts 4 bytes of each of eight rows' block b side by side (chunk j of
-    row r at byte 32 j + 4 r of the group's block), and the eager form of the interleaved kernels
+    row r at byte 32 j + 4 r of the group's block; Q5's fifth bits placed by value), and the eager form of the interleaved kernels
     (what tracing falls back on outside IREE) computes the same product as the stored kernels'."""
     from sharkport.kernels.ops import OPS
 
@@ -1260,15 +1293,19 @@ def test_interleaved_rows_read_as_the_weights_as_stored(kind):
     w = weight_from_raw(kind, (n, k), quantize_array(rng.standard_normal((n, k)).astype(np.float32), kind))
     assert w.interleaved  # as an archive holds it
     planes = [w.row_order().planes[p] for p in kernels.PLANES[kind]]
-    mixed = [interleave_planes(w.row_order().planes)[p] for p in kernels.PLANES[kind]]
+    mixed = [interleave_planes(kind, w.row_order().planes)[p] for p in kernels.PLANES[kind]]
     assert all(torch.equal(a, w.planes[p]) for a, p in zip(mixed, kernels.PLANES[kind]))
     size = planes[0].shape[2]  # bytes of a row's block
     qs, group1 = mixed[0].reshape(-1), 8 * size * (k // 32)  # bytes of a group of eight rows
     chunk = group1 + 2 * 8 * size + 32 * 3 + 4 * 5  # row 13 (5 of the second group), block 2, chunk 3
     assert torch.equal(qs[chunk:chunk + 4], planes[0][8 + 5, 2, 12:16])
     assert torch.equal(mixed[1].reshape(-1)[8 * 2 + 6], planes[1][6, 2])  # row 6's scale of block 2
-    if kind == "Q5_0":  # and its 4 bytes of fifth bits
-        assert torch.equal(mixed[2].reshape(-1)[4 * (8 * 2 + 6):4 * (8 * 2 + 7)], planes[2][6, 2])
+    if kind == "Q5_0":  # and its 4 bytes of fifth bits, value 4j + t's at bit 2j of byte t, 16 + 4j + t's at 2j + 1
+        stored = int.from_bytes(bytes(planes[2][6, 2].tolist()), "little")
+        placed = mixed[2].reshape(-1)[4 * (8 * 2 + 6):4 * (8 * 2 + 7)].tolist()
+        for v in range(32):
+            t, j, high = v % 4, v // 4 % 4, v // 16
+            assert (placed[t] >> (2 * j + high)) & 1 == (stored >> v) & 1, f"value {v}'s fifth bit"
     x = torch.from_numpy(rng.standard_normal((2, k)).astype(np.float32))
     torch.testing.assert_close(OPS[kernels.INTERLEAVED[kind], "matvec"](x, *mixed), OPS[kind, "matvec"](x, *planes),
                                rtol=0, atol=0)

@@ -164,7 +164,7 @@ def entries_of(name: str, w: Weight) -> list[Entry]:
     if isinstance(w, QuantizedTensor):
         if not w.interleaved:
             w = QuantizedTensor.held(w.type_name, w.shape, w.planes)
-        return [Entry(plane_key(name, plane, w.interleaved), t.dtype, tuple(t.shape), data=t.contiguous().numpy())
+        return [Entry(plane_key(name, plane, w.interleaved, w.type_name), t.dtype, tuple(t.shape), data=t.contiguous().numpy())
                 for plane, t in w.planes.items()]
     bits = w.view(torch.int16) if w.dtype == torch.bfloat16 else w  # numpy has no bfloat16
     return [Entry(name, w.dtype, tuple(w.shape), data=bits.contiguous().numpy())]

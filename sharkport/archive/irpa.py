@@ -221,6 +221,9 @@ def _open(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, tuple[str,
 
     def described(key: str) -> tuple[str, list[int], np.ndarray]:
         if key not in entries:
+            if key.endswith("p") and key[:-1] in entries:  # quant.plane_key: Q5's fifth bits in value order
+                raise SharkportError(f"{path}: holds {key[:-1]}, Q5 fifth bits in the layout of an older sharkport; "
+                                     "re-import the model with `python -m sharkport.tools.dump_gguf --output-irpa`")
             raise SharkportError(f"{path}: tensor entry {key} is missing; re-create the archive")
         raw = np.asarray(entries[key].file_view)
         try:

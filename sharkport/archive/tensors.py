@@ -29,14 +29,14 @@ class QuantizedTensor:
         """A tensor of planes in row order, held as an archive holds it: interleaved where
         quant.interleaves says so."""
         if interleaves(type_name, shape):
-            return cls(type_name, tuple(shape), interleave_planes(planes), interleaved=True)
+            return cls(type_name, tuple(shape), interleave_planes(type_name, planes), interleaved=True)
         return cls(type_name, tuple(shape), planes)
 
     def row_order(self) -> "QuantizedTensor":
         """This tensor with its planes in row order."""
         if not self.interleaved:
             return self
-        return QuantizedTensor(self.type_name, self.shape, interleave_planes(self.planes, inverse=True))
+        return QuantizedTensor(self.type_name, self.shape, interleave_planes(self.type_name, self.planes, inverse=True))
 
     def dequant(self) -> torch.Tensor:
         """float32 values of `shape`."""

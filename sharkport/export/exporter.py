@@ -34,7 +34,7 @@ def externalize(dataset: Dataset) -> None:
     for name, w in dataset.theta.items():
         if isinstance(w, QuantizedTensor):
             for plane, t in w.planes.items():
-                ExternalTensorTrait(PARAMETER_SCOPE, plane_key(name, plane, w.interleaved)).set(t)
+                ExternalTensorTrait(PARAMETER_SCOPE, plane_key(name, plane, w.interleaved, w.type_name)).set(t)
         else:
             ExternalTensorTrait(PARAMETER_SCOPE, name).set(w)
 

@@ -239,7 +239,7 @@ def copy_planes(src: int, src_offset: int, n_bytes: int, block: BlockType, dst: 
         blocks = chunk.view(struct_)
         planes = {field: blocks[field] for field, _, _ in block.fields}
         if rows_of:
-            planes = interleave_planes({f: p.reshape(k // rows_of, rows_of, *p.shape[1:]) for f, p in planes.items()})
+            planes = interleave_planes(block.name, {f: p.reshape(k // rows_of, rows_of, *p.shape[1:]) for f, p in planes.items()})
         for (field, dt, count), w, out, dst_offset in zip(block.fields, widths, outs, dst_offsets):
             np.copyto(out[:k * w].view(dt).reshape(k, count), planes[field].reshape(k, count))
             write_at(dst, out[:k * w], dst_offset + start * w)
@@ -261,4 +261,4 @@ def plane_keys(name: str, layout: dict) -> list[str]:
     """The archive entries of tensor `name` of `layout` (tensor_layout): itself, or its planes."""
     if "planes" not in layout:
         return [name]
-    return [plane_key(name, p, "interleaved_rows" in layout) for p in layout["planes"]]
+    return [plane_key(name, p, "interleaved_rows" in layout, layout["type"]) for p in layout["planes"]]

@@ -503,21 +503,35 @@ _Static_assert(MAX_M == 8, "ROWS_OF_X names the sums of each row count of x up t
                           name##4 = name##0, name##5 = name##0, name##6 = name##0, name##7 = name##0
 #define SUMS_ARRAY(T, name) T name[MAX_M] = {name##0, name##1, name##2, name##3, name##4, name##5, name##6, name##7}
 
-// Q5_0X8's fifth bits of four values of each of eight rows (lane r of h: row r's 32 bits): byte t
-// of lane r is 16 where bit 4 half + t of byte `at` of the lane is set.
-INLINE __m256i fifth_bits_x8(__m256i h, int at, int half) {
-  const __m256i lanes = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,  //
-                                         0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
-  const __m256i bit = _mm256_set1_epi32(half ? (int)0x80402010 : 0x08040201);
-  __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(h, _mm256_add_epi8(lanes, _mm256_set1_epi8((char)at))), bit);
-  return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(16));
+// Q5_0X8's and Q5_1X8's fifth bits as the archive places them (quant.FIFTH_BIT_TYPES): byte t of
+// row r's 4 bytes holds at bit 2j that of value 4j + t and at bit 2j + 1 that of 16 + 4j + t, the
+// values whose nibbles lie in byte t of row r's chunk j. Bit k of each byte of h, moved to bit 4.
+INLINE __m256i fifth_bits_x8(__m256i h, int k) {
+  __m256i v = k < 4 ? _mm256_slli_epi16(h, 4 - k) : k > 4 ? _mm256_srli_epi16(h, k - 4) : h;
+  return _mm256_and_si256(v, _mm256_set1_epi8(16));
 }
 
-// Rows 0..7 of an x8 group (blocks at qs, scales d and offsets m, 8 per block; Q5_0X8's fifth bits
-// qh, the eight rows' 4 bytes per block) times MC rows of x (quantized in ws, blocks in order):
-// out[i][r].
+// The x8 loops' steps for row i of x: its values of chunk j of block b times the eight rows'
+// values lo and hi (4 bytes each: values 4j .. 4j + 3 and 16 + 4j ..) into its 16-bit sums s_i;
+// then block b's 32-bit sums times the rows' scales dv and x's, and the rows' offsets mv times x's
+// block sum, into acc_i.
+#define X8_NIBBLE_SUMS(i)                                                                           \
+  if (i < MC) {                                                                                     \
+    const int8_t *xq = ws->q + i * K + 32 * b + 4 * j;                                              \
+    s##i = _mm256_add_epi16(s##i, _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xq)),        \
+                                                   _mm256_maddubs_epi16(hi, broadcast4(xq + 16)))); \
+    __asm__("" : "+x"(s##i)); /* kept in a register, the adds in this order (see above) */          \
+  }
+#define X8_ADD_BLOCK(i, sums)                                                                                       \
+  acc##i = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dv, _mm256_broadcast_ss(ws->xd + i * B + b)), \
+                           acc##i);                                                                            \
+  acc##i = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(ws->xs + i * B + b), acc##i)
+
+// Rows 0..7 of an x8 group (blocks at qs, scales d and offsets m, 8 per block) times MC rows of x
+// (quantized in ws, blocks in order): out[i][r]. A lane's 16-bit sums take 16 products a block, at
+// most 16 * 15 * 127.
 INLINE void q4_x8(const workspace *ws, int kind, const uint8_t *qs, const uint16_t *d, const uint16_t *m,
-                  const uint8_t *qh, size_t MC, size_t K, float out[MAX_M][8]) {
+                  size_t MC, size_t K, float out[MAX_M][8]) {
   size_t B = K / 32;
   const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   EIGHT(__m256, acc, _mm256_setzero_ps());
@@ -525,36 +539,54 @@ INLINE void q4_x8(const workspace *ws, int kind, const uint8_t *qs, const uint16
     PREFETCH_TWO_STEPS(qs);
     PREFETCH_TWO_STEPS(qs + 64);
     PREFETCH_PLANES(d, m, b);  // m: null for Q4_0
-    const int five = kind == Q5_0X8 || kind == Q5_1X8;
-    if (five && !(b & 1)) PREFETCH_TWO_STEPS(qh + 32 * b);
-    __m256i h = five ? load32(qh + 32 * b) : _mm256_setzero_si256();
     EIGHT(__m256i, s, _mm256_setzero_si256());
     for (size_t j = 0; j < 4; ++j) {
       __m256i v = load32(qs + 32 * j);
       __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-      if (five) {  // values 4j .. 4j + 3: bits 4j ..; 16 + 4j ..: bits 16 + 4j ..
-        lo = _mm256_or_si256(lo, fifth_bits_x8(h, (int)j >> 1, (int)j & 1));
-        hi = _mm256_or_si256(hi, fifth_bits_x8(h, 2 + ((int)j >> 1), (int)j & 1));
-      }
-#define ROW(i)                                                                                      \
-  if (i < MC) {                                                                                     \
-    const int8_t *xq = ws->q + i * K + 32 * b + 4 * j;                                              \
-    s##i = _mm256_add_epi16(s##i, _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xq)),        \
-                                                   _mm256_maddubs_epi16(hi, broadcast4(xq + 16)))); \
-    __asm__("" : "+x"(s##i)); /* kept in a register, the adds in this order (see above) */          \
+      ROWS_OF_X(X8_NIBBLE_SUMS)
+    }
+    __m256 dv = halves8(d + 8 * b);
+    __m256 mv = kind == Q4_1X8 ? halves8(m + 8 * b) : _mm256_mul_ps(dv, _mm256_set1_ps(offset_scale(kind)));
+#define ROW(i) \
+  if (i < MC) { X8_ADD_BLOCK(i, _mm256_madd_epi16(s##i, ones)); }
+    ROWS_OF_X(ROW)
+#undef ROW
   }
-      ROWS_OF_X(ROW)
+  SUMS_ARRAY(__m256, acc);
+  group_outputs(acc, MC, out);
+}
+
+// q4_x8 for Q5_0X8 and Q5_1X8 (their fifth bits qh, the eight rows' 4 bytes per block): their
+// 16-bit sums would overflow over a block (16 * 31 * 127), so they go into 32 bits every two chunks.
+INLINE void q5_x8(const workspace *ws, int kind, const uint8_t *qs, const uint16_t *d, const uint16_t *m,
+                  const uint8_t *qh, size_t MC, size_t K, float out[MAX_M][8]) {
+  size_t B = K / 32;
+  const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  EIGHT(__m256, acc, _mm256_setzero_ps());
+  for (size_t b = 0; b < B; ++b, qs += 128) {
+    PREFETCH_TWO_STEPS(qs);
+    PREFETCH_TWO_STEPS(qs + 64);
+    PREFETCH_PLANES(d, m, b);  // m: null for Q5_0
+    if (!(b & 1)) PREFETCH_TWO_STEPS(qh + 32 * b);
+    __m256i h = load32(qh + 32 * b);
+    EIGHT(__m256i, s, _mm256_setzero_si256());
+    EIGHT(__m256i, w, _mm256_setzero_si256());  // chunks 0 and 1's sums in 32 bits
+    for (size_t j = 0; j < 4; ++j) {
+      __m256i v = load32(qs + 32 * j);
+      __m256i lo = _mm256_or_si256(_mm256_and_si256(v, low4), fifth_bits_x8(h, 2 * (int)j));
+      __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), fifth_bits_x8(h, 2 * (int)j + 1));
+      ROWS_OF_X(X8_NIBBLE_SUMS)
+#define ROW(i) \
+  if (i < MC) w##i = _mm256_madd_epi16(s##i, ones), s##i = _mm256_setzero_si256();
+      if (j == 1) {
+        ROWS_OF_X(ROW)
+      }
 #undef ROW
     }
     __m256 dv = halves8(d + 8 * b);
-    __m256 mv = kind == Q4_1X8 || kind == Q5_1X8 ? halves8(m + 8 * b)
-                                                 : _mm256_mul_ps(dv, _mm256_set1_ps(offset_scale(kind)));
-#define ROW(i)                                                                                          \
-  if (i < MC) {                                                                                         \
-    __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(s##i, ones));                                    \
-    acc##i = _mm256_fmadd_ps(sums, _mm256_mul_ps(dv, _mm256_broadcast_ss(ws->xd + i * B + b)), acc##i); \
-    acc##i = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(ws->xs + i * B + b), acc##i);                      \
-  }
+    __m256 mv = kind == Q5_1X8 ? halves8(m + 8 * b) : _mm256_mul_ps(dv, _mm256_set1_ps(offset_scale(kind)));
+#define ROW(i) \
+  if (i < MC) { X8_ADD_BLOCK(i, _mm256_add_epi32(_mm256_madd_epi16(s##i, ones), w##i)); }
     ROWS_OF_X(ROW)
 #undef ROW
   }
@@ -623,18 +655,18 @@ INLINE void pair_outputs(const __m512 *acc, const __m256 *off, size_t MC, float 
     ADD_BLOCK(i, s, mv);                                                                                  \
   }
 
-// Q5_0X8's and Q5_1X8's fifth bits of 8 values of each of the eight rows, added to their nibbles v
-// (pair lanes): h holds rows 2L and 2L + 1's 32 bits in 128-bit lane L (fifth_bits_lanes), and
-// byte 8r + t of v takes bit t of byte `at` of row r's.
-INLINE __m512i fifth_bits_lanes(const uint8_t *qh) {
-  return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7),
-                                  _mm512_castsi256_si512(load32(qh)));
+// Lanes 2r and 2r + 1: lane r of v (a 32-bit word of each of the eight rows).
+INLINE __m512i pair_words(__m256i v) {
+  return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
+                                  _mm512_castsi256_si512(v));
 }
-INLINE __m512i add_fifth_bits(__m512i v, __m512i h, int at) {
-  const long long second = 0x0404040404040404LL;  // row 2L + 1's bytes lie 4 after row 2L's
-  const __m512i bytes = _mm512_add_epi8(_mm512_setr_epi64(0, second, 0, second, 0, second, 0, second), _mm512_set1_epi8((char)at));
-  __mmask64 set = _mm512_test_epi8_mask(_mm512_shuffle_epi8(h, bytes), _mm512_set1_epi64(0x8040201008040201LL));
-  return _mm512_mask_add_epi8(v, set, v, _mm512_set1_epi8(16));
+
+// Q5_0X8's and Q5_1X8's fifth bits (placed as fifth_bits_x8 reads them; h: pair_words of the
+// rows' 4 bytes) added to the nibbles v of chunks j (lane 2r) and j + 1 (lane 2r + 1): bit k of
+// each byte in the even lanes, bit k + 2 in the odd ones.
+INLINE __m512i add_fifth_bits(__m512i v, __m512i h, int k) {
+  const unsigned long long bits = 0x01010101ULL << k | 0x0101010100000000ULL << (k + 2);
+  return _mm512_mask_add_epi8(v, _mm512_test_epi8_mask(h, _mm512_set1_epi64((long long)bits)), v, _mm512_set1_epi8(16));
 }
 
 INLINE void q4_x8_zmm(const workspace *ws, int kind, const uint8_t *qs, const uint16_t *d, const uint16_t *m,
@@ -651,13 +683,13 @@ INLINE void q4_x8_zmm(const workspace *ws, int kind, const uint8_t *qs, const ui
     __m512i v0 = pair_chunks(_mm512_loadu_si512(qs)), v1 = pair_chunks(_mm512_loadu_si512(qs + 64));
     __m512i lo0 = _mm512_and_si512(v0, low4), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low4);
     __m512i lo1 = _mm512_and_si512(v1, low4), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low4);
-    if (five) {  // values 0..7 of each row: bits 0..7 of its 32; 8..15: 8..15; 16..23 and 24..31 likewise
+    if (five) {
       if (!(b & 1)) PREFETCH_TWO_STEPS(qh + 32 * b);
-      __m512i h = fifth_bits_lanes(qh + 32 * b);
+      __m512i h = pair_words(load32(qh + 32 * b));
       lo0 = add_fifth_bits(lo0, h, 0);
-      lo1 = add_fifth_bits(lo1, h, 1);
-      hi0 = add_fifth_bits(hi0, h, 2);
-      hi1 = add_fifth_bits(hi1, h, 3);
+      lo1 = add_fifth_bits(lo1, h, 4);
+      hi0 = add_fifth_bits(hi0, h, 1);
+      hi1 = add_fifth_bits(hi1, h, 5);
     }
     __m256 d8 = halves8(d + 8 * b);
     __m512 dv = pair_scales(d8);
@@ -699,7 +731,8 @@ INLINE void q8_x8_zmm(const workspace *ws, const int8_t *qs, const uint16_t *d, 
   PAIR_OUTPUTS;
 }
 #else
-#define Q4_X8_LOOP q4_x8
+#define Q4_X8_LOOP(ws, kind, qs, d, m, qh, MC, K, out) \
+  (kind == Q5_0X8 || kind == Q5_1X8 ? q5_x8(ws, kind, qs, d, m, qh, MC, K, out) : q4_x8(ws, kind, qs, d, m, MC, K, out))
 #define Q8_X8_LOOP q8_x8
 #endif
 
@@ -1502,12 +1535,6 @@ INLINE void q4k_x8(const workspace *ws, int kind, const uint8_t *qs, const uint8
     else                                                            \
       PREFETCH_TWO_STEPS(p);                                        \
   } while (0)
-
-// Lanes 2r and 2r + 1: lane r of v (a 32-bit word of each of the eight rows).
-INLINE __m512i pair_words(__m256i v) {
-  return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
-                                  _mm512_castsi256_si512(v));
-}
 
 // Pair lanes of the mins of sub-blocks 2j (even lanes) and 2j + 1 (odd lanes), each in both of the
 // lane's 16-bit halves, from mn (pair_words of the rows' mins 4t .. 4t + 3, t = j / 2).

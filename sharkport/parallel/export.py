@@ -31,7 +31,7 @@ def externalize_ranks(sharded: ShardedDataset) -> None:
     `save_sharded`), since a tensor carries one name and one device."""
     for r, theta in enumerate(sharded.ranks):
         for name, w in theta.items():
-            keyed = ([(plane_key(shard_name(name, r), p, w.interleaved), t) for p, t in w.planes.items()]
+            keyed = ([(plane_key(shard_name(name, r), p, w.interleaved, w.type_name), t) for p, t in w.planes.items()]
                      if isinstance(w, QuantizedTensor) else [(shard_name(name, r), w)])
             for key, t in keyed:
                 ExternalTensorTrait(PARAMETER_SCOPE, key).set(t)

@@ -124,21 +124,36 @@ def interleaves(type_name: str, shape) -> bool:
     return type_name in ROW_INTERLEAVED_TYPES and len(shape) == 2 and shape[0] % INTERLEAVED_ROWS == 0
 
 
-def plane_key(name: str, plane: str, interleaved: bool = False) -> str:
-    """The archive entry of plane `plane` of tensor `name`: `name:plane`, or `name:plane:x8` with
-    its rows interleaved (so that a module made for one layout cannot load the other's bytes)."""
-    return f"{name}:{plane}:x{INTERLEAVED_ROWS}" if interleaved else f"{name}:{plane}"
+# Interleaved Q5_0 and Q5_1 hold each row's 32 fifth bits (bit v: value v's) with the bit of value
+# 16 h + 4 j + t at bit 8 t + 2 j + h: byte t of a row's four then holds the fifth bits of the
+# values 4j + t (at bit 2j) and 16 + 4j + t (at bit 2j + 1), whose nibbles lie in byte t of the
+# row's chunk j of qs, so that one shift and one mask put each beside its nibble (the CPU kernels).
+FIFTH_BIT_TYPES = ("Q5_0", "Q5_1")
 
 
-def interleave_planes(planes: dict, inverse: bool = False) -> dict:
-    """The planes of a matrix [N, K] (N a multiple of 8; numpy arrays or torch tensors) with its
-    rows interleaved eight at a time, or with `inverse` put back. Per group of eight rows and
-    block b: a plane of bytes a block (`qs`, Q5_0's `qh`, the K-quants' `scales`) holds 4 of each
-    row's bytes at a time (chunk j: bytes 4j .. 4j + 3 of rows 0..7), a plane of a value a block
-    (`d`, `m`, `dmin`, IQ4_XS's `scales_h`) the eight rows' values side by side. Every plane keeps
-    its shape."""
+def plane_key(name: str, plane: str, interleaved: bool = False, type_name: str = "") -> str:
+    """The archive entry of plane `plane` of tensor `name` of `type_name`: `name:plane`, or
+    `name:plane:x8` with its rows interleaved, `name:qh:x8p` for the fifth bits of interleaved
+    Q5_0 and Q5_1 (placed by value: FIFTH_BIT_TYPES), so that a module made for one layout cannot
+    load another's bytes."""
+    if not interleaved:
+        return f"{name}:{plane}"
+    placed = "p" if type_name in FIFTH_BIT_TYPES and plane == "qh" else ""
+    return f"{name}:{plane}:x{INTERLEAVED_ROWS}{placed}"
+
+
+def interleave_planes(type_name: str, planes: dict, inverse: bool = False) -> dict:
+    """The planes of a `type_name` matrix [N, K] (N a multiple of 8; numpy arrays or torch tensors)
+    with its rows interleaved eight at a time, or with `inverse` put back. Per group of eight rows
+    and block b: a plane of bytes a block (`qs`, Q5_0's `qh`, the K-quants' `scales`) holds 4 of
+    each row's bytes at a time (chunk j: bytes 4j .. 4j + 3 of rows 0..7), a plane of a value a
+    block (`d`, `m`, `dmin`, IQ4_XS's `scales_h`) the eight rows' values side by side. Q5_0's and
+    Q5_1's fifth bits are also placed by value (FIFTH_BIT_TYPES). Every plane keeps its shape."""
     out = {}
     for name, p in planes.items():
+        placed = type_name in FIFTH_BIT_TYPES and name == "qh"
+        if placed and inverse:
+            p = _place_fifth_bits(p, inverse=True)
         n, b = p.shape[0], p.shape[1]
         if p.ndim == 3:
             size = p.shape[2]
@@ -149,7 +164,30 @@ def interleave_planes(planes: dict, inverse: bool = False) -> dict:
             order = (0, 2, 1)
         g = p.reshape(grouped)
         out[name] = (g.permute(*order) if hasattr(g, "permute") else g.transpose(order)).reshape(p.shape)
+        if placed and not inverse:
+            out[name] = _place_fifth_bits(out[name], inverse=False)
     return out
+
+
+def _place_fifth_bits(qh, inverse: bool):
+    """Q5's qh plane [..., 4] (a numpy array or torch tensor of uint8) with each row's fifth bits
+    placed by value (FIFTH_BIT_TYPES), or with `inverse` put back in value order: the 32 bits'
+    index (h, j, t) becomes (t, j, h). Shifts by Python ints only, which the traced program lowers."""
+    lead = tuple(qh.shape[:-1])
+    bits = [(qh >> k) & 1 for k in range(8)]
+    n = len(lead)
+    order = (*range(n), n + 2, n + 1, n)
+    if hasattr(qh, "permute"):
+        import torch
+
+        bits = torch.stack(bits, dim=-1).reshape(*lead, *((4, 4, 2) if inverse else (2, 4, 4))).permute(*order)
+    else:
+        bits = np.stack(bits, axis=-1).reshape(*lead, *((4, 4, 2) if inverse else (2, 4, 4))).transpose(order)
+    bits = bits.reshape(*lead, 4, 8)
+    packed = bits[..., 0]
+    for k in range(1, 8):
+        packed = packed | (bits[..., k] << k)
+    return packed
 
 
 def check_supported(type_name: str, where: str) -> None:
