@@ -117,6 +117,7 @@ def test_quickstart_runs_clean(tmp_path):
     assert "warning" not in output.lower(), output
 
 
+@pytest.mark.extended  # the IQ4 products stay in the suite: test_kernels' IQ4_XS layer and row kernels
 def test_iq4_xs_file_runs_through_the_kernels_as_transformers(smollm2_gguf, tmp_path, capsys, monkeypatch):
     """SmolLM2 made an IQ4_XS file by llama.cpp's own quantizer (as a hub file: its 576-wide
     matrices fall back to IQ4_NL, ffn_down is IQ4_XS), imported, exported with the kernels (the
