@@ -151,9 +151,8 @@ def interleave_planes(type_name: str, planes: dict, inverse: bool = False) -> di
     Q5_1's fifth bits are also placed by value (FIFTH_BIT_TYPES). Every plane keeps its shape."""
     out = {}
     for name, p in planes.items():
-        placed = type_name in FIFTH_BIT_TYPES and name == "qh"
-        if placed and inverse:
-            p = _place_fifth_bits(p, inverse=True)
+        if type_name in FIFTH_BIT_TYPES and name == "qh":  # row by row, so before either way
+            p = _place_fifth_bits(p, inverse)
         n, b = p.shape[0], p.shape[1]
         if p.ndim == 3:
             size = p.shape[2]
@@ -164,8 +163,6 @@ def interleave_planes(type_name: str, planes: dict, inverse: bool = False) -> di
             order = (0, 2, 1)
         g = p.reshape(grouped)
         out[name] = (g.permute(*order) if hasattr(g, "permute") else g.transpose(order)).reshape(p.shape)
-        if placed and not inverse:
-            out[name] = _place_fifth_bits(out[name], inverse=False)
     return out
 
 
