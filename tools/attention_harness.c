@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 #include <immintrin.h>
 
@@ -27,11 +28,12 @@
   MEMREF(const float), MEMREF(const float), MEMREF(const float), MEMREF(T), MEMREF(const int64_t),          \
       MEMREF(const int64_t), MEMREF(const int64_t), MEMREF(const int64_t), MEMREF(const float),             \
       MEMREF(const float), MEMREF(float), size_t blocks, size_t H, size_t Hkv, size_t D, size_t L,          \
-      size_t stride, size_t R, size_t interleaved, size_t hpw, float scale, size_t wg
+      size_t stride, size_t R, size_t interleaved, size_t hpw, float scale, size_t window, size_t wg
 void sharkport_decode_attention(ATTENTION_ARGS(float));
 void sharkport_decode_attention_f16(ATTENTION_ARGS(uint16_t));
 
 enum { H = 9, HKV = 3, D = 64, L = 30, STRIDE = 32 };
+#define HUGE_PAGE ((size_t)2 << 20)
 static int F16;
 static size_t B, LEN, CACHES, THREADS, REPS, BLOCKS, HPW;
 static void **caches;
@@ -49,11 +51,11 @@ static void *worker(void *arg) {
           if (F16)
             sharkport_decode_attention_f16(ARG(q), ARG(knew), ARG(vnew), ARG((uint16_t *)caches[c]), ARG(pages),
                                            ARG(starts), ARG(lens), ARG(layer), ARG(rcos), ARG(rsin), ARG(out), BLOCKS,
-                                           H, HKV, D, L, STRIDE, D, 1, HPW, 0.125f, wg);
+                                           H, HKV, D, L, STRIDE, D, 1, HPW, 0.125f, 0, wg);
           else
             sharkport_decode_attention(ARG(q), ARG(knew), ARG(vnew), ARG((float *)caches[c]), ARG(pages),
                                        ARG(starts), ARG(lens), ARG(layer), ARG(rcos), ARG(rsin), ARG(out), BLOCKS, H,
-                                       HKV, D, L, STRIDE, D, 1, HPW, 0.125f, wg);
+                                       HKV, D, L, STRIDE, D, 1, HPW, 0.125f, 0, wg);
         pthread_barrier_wait(&barrier);
       }
   return 0;
@@ -82,7 +84,9 @@ int main(int argc, char **argv) {
   size_t page_count = B * BLOCKS, page_elems = (size_t)L * 2 * STRIDE * HKV * D;
   caches = malloc(CACHES * sizeof *caches);
   for (size_t c = 0; c < CACHES; ++c) {
-    caches[c] = malloc(page_count * page_elems * (F16 ? 2 : 4));
+    size_t bytes = (page_count * page_elems * (F16 ? 2 : 4) + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
+    caches[c] = aligned_alloc(HUGE_PAGE, bytes);
+    madvise(caches[c], bytes, MADV_HUGEPAGE);  // as a session's cache (sharkport/runtime/hugepages.py)
     for (size_t i = 0; i < page_count * page_elems; ++i) {
       float x = (float)((i * 2654435761u) % 1000) / 1000 - 0.5f;
       if (F16)
