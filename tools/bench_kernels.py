@@ -4,8 +4,8 @@ memory: what bounds decode's products on this machine (issue 6).
 
     python tools/bench_kernels.py [--types q4_1,q8_0,f16] [--markdown out.md]
 
-Builds tools/matvec_harness.c with sharkport/kernels/matvec.c (the kernels' own flags,
-kernels.cflags(): AVX-512 where this machine has it) and times SmolLM2's feed-forward products
+Builds tools/matvec_harness.c with the kernels' object, the one exports link (kernels.object_path():
+AVX-512 where this machine has it), and times SmolLM2's feed-forward products
 (gate/up 1536x576, down 576x1536) at 1 and 4 rows of x, on 1 and 2 threads (each product's
 workgroups shared among the threads as IREE's workers share them, with a barrier after each
 product): once with one copy of the weights (it stays in the caches), once with enough copies to
@@ -29,11 +29,12 @@ from pathlib import Path
 TOOLS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TOOLS.parent))
 
-from sharkport.kernels import SOURCE, cflags  # noqa: E402
+from sharkport.kernels import object_path  # noqa: E402
 
 SHAPES = {"gate/up 1536x576": (1536, 576), "down 576x1536": (576, 1536)}
-# q4_1, q8_0: rows interleaved as exported modules read them; -stored: as stored (see the harness)
-BYTES_PER_WEIGHT = {"q4_1": 20 / 32, "q8_0": 34 / 32, "f16": 2.0, "q4_1-stored": 20 / 32, "q8_0-stored": 34 / 32}
+# q4_1, q8_0, q5_0: rows interleaved as exported modules read them; -stored: as stored (see the harness)
+BYTES_PER_WEIGHT = {"q4_1": 20 / 32, "q8_0": 34 / 32, "q5_0": 22 / 32, "f16": 2.0, "q4_1-stored": 20 / 32,
+                    "q8_0-stored": 34 / 32}
 MEMORY_BYTES = 128e6  # copies of the weights that far exceed the L3
 
 
@@ -41,8 +42,8 @@ def build(work: Path) -> tuple[Path, Path]:
     cc = shutil.which(os.environ.get("CC", "cc"))
     if cc is None:
         raise SystemExit("bench_kernels: no C compiler ($CC or cc) on PATH; install gcc or clang")
-    obj, exe, ops = work / "matvec.o", work / "matvec_harness", work / "vector_ops"
-    subprocess.run([cc, *cflags(), "-c", str(SOURCE), "-o", str(obj)], check=True)
+    exe, ops = work / "matvec_harness", work / "vector_ops"
+    obj = object_path(log=lambda line: print(line, file=sys.stderr))  # the exporter's, built once
     subprocess.run([cc, "-O2", "-pthread", str(TOOLS / "matvec_harness.c"), str(obj), "-o", str(exe)], check=True)
     subprocess.run([cc, "-O2", "-mavx2", "-mfma", "-pthread", str(TOOLS / "vector_ops.c"), "-o", str(ops)], check=True)
     return exe, ops
@@ -63,7 +64,8 @@ def run(exe: Path, type_name: str, rows: int, n: int, k: int, copies: int, threa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--types", default="q4_1,q8_0,f16", help="comma-separated (default q4_1,q8_0,f16)")
+    parser.add_argument("--types", default="q4_1,q8_0,f16",
+                        help=f"comma-separated, of {', '.join(BYTES_PER_WEIGHT)} (default q4_1,q8_0,f16)")
     parser.add_argument("--markdown", type=Path, help="also write the table to this file")
     args = parser.parse_args()
     types = [t.strip().lower() for t in args.types.split(",") if t.strip()]
