@@ -8,9 +8,9 @@
 // evict the cache between layers); `f16` at the end: a float16 cache
 // (sharkport_decode_attention_f16). Prints the best of 5 trials.
 //
-//   cc -O3 -mavx2 -mfma -mf16c -ffreestanding -fPIC -std=c11 -DMAX_BLOCKS=512 -DXQ_BYTES=16384
-//      -DXN_FLOATS=8192 -DMAX_GD=2048 -DMAX_STRIDE=256 -c sharkport/kernels/matvec.c -o /tmp/matvec.o   (one line)
-//   cc -O2 -mf16c tools/attention_harness.c /tmp/matvec.o -o /tmp/attention_harness -lpthread
+// Built with the kernels' object as exports link it (built once, then cached):
+//   cc -O2 -mf16c tools/attention_harness.c -o /tmp/attention_harness -lpthread \
+//      $(python -c "from sharkport.kernels import object_path; print(object_path())")
 //   /tmp/attention_harness B LEN CACHES THREADS REPS [f16]        (e.g. 1 480 4 2 3)
 #include <pthread.h>
 #include <stdint.h>
@@ -20,6 +20,8 @@
 #include <sys/mman.h>
 #include <time.h>
 #include <immintrin.h>
+
+#include "spin_barrier.h"
 
 // A memref argument: (base, aligned, offset, size, stride).
 #define MEMREF(T) T *, T *, size_t, size_t, size_t
@@ -39,7 +41,6 @@ static size_t B, LEN, CACHES, THREADS, REPS, BLOCKS, HPW;
 static void **caches;
 static float *q, *knew, *vnew, *out, *rcos, *rsin;
 static int64_t *pages, *starts, *lens;
-static pthread_barrier_t barrier;
 
 static void *worker(void *arg) {
   size_t t = (size_t)arg;
@@ -56,7 +57,7 @@ static void *worker(void *arg) {
             sharkport_decode_attention(ARG(q), ARG(knew), ARG(vnew), ARG((float *)caches[c]), ARG(pages),
                                        ARG(starts), ARG(lens), ARG(layer), ARG(rcos), ARG(rsin), ARG(out), BLOCKS, H,
                                        HKV, D, L, STRIDE, D, 1, HPW, 0.125f, 0, wg);
-        pthread_barrier_wait(&barrier);
+        spin_barrier_wait();
       }
   return 0;
 }
@@ -107,13 +108,12 @@ int main(int argc, char **argv) {
   double best = 1e30;
   for (int trial = 0; trial < 5; ++trial) {
     pthread_t threads[64];
-    pthread_barrier_init(&barrier, 0, THREADS);
+    spin_barrier_init((int)THREADS);
     double t0 = now();
     for (size_t t = 0; t < THREADS; ++t) pthread_create(&threads[t], 0, worker, (void *)t);
     for (size_t t = 0; t < THREADS; ++t) pthread_join(threads[t], 0);
     double step = (now() - t0) / (REPS * CACHES);
     best = step < best ? step : best;
-    pthread_barrier_destroy(&barrier);
   }
   double bytes = (double)B * L * 2 * HKV * D * (F16 ? 2 : 4) * LEN, sum = 0;
   for (size_t i = 0; i < B * H * D; ++i) sum += out[i];

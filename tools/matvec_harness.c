@@ -23,6 +23,8 @@
 #include <sys/mman.h>
 #include <time.h>
 
+#include "spin_barrier.h"
+
 // A memref argument: (base, aligned, offset, size, stride).
 #define MEMREF(T) T *, T *, size_t, size_t, size_t
 #define ARG(p) (p), (p), (size_t)0, (size_t)1, (size_t)1
@@ -49,23 +51,6 @@ typedef struct {
   uint16_t **d, **m;  // m: Q4_1's offsets, Q5_0's fifth bits
   float *x, *y;
 } job;
-
-// The threads meet after each product spinning, as IREE's workers wait for the next dispatch
-// (sharkport.runtime.session.SPIN_US): a futex barrier's sleep and wake would cost a small product
-// more than its arithmetic.
-static struct {
-  _Atomic int arrived, round;
-  int threads;
-} barrier;
-
-static void barrier_wait(void) {
-  int round = barrier.round;
-  if (++barrier.arrived == barrier.threads) {
-    barrier.arrived = 0;
-    ++barrier.round;
-  } else
-    while (barrier.round == round) __builtin_ia32_pause();
-}
 
 static void product(const job *j, size_t c) {
   for (size_t wg = j->thread; wg < j->workgroups; wg += j->threads) {
@@ -98,7 +83,7 @@ static void *worker(void *arg) {
   for (int r = 0; r < j->reps; ++r)
     for (size_t c = 0; c < j->copies; ++c) {
       product(j, c);
-      barrier_wait();
+      spin_barrier_wait();
     }
   return 0;
 }
@@ -186,8 +171,7 @@ int main(int argc, char **argv) {
   for (int trial = 0; trial < 5; ++trial) {
     pthread_t t[64];
     job jobs[64];
-    barrier.arrived = 0;
-    barrier.threads = threads;
+    spin_barrier_init(threads);
     double t0 = now();
     for (int i = 0; i < threads; ++i) {
       jobs[i] = (job){type, i, threads, reps, M, N, K, rows, (N + rows - 1) / rows, copies, qs, d, m, x, y};
