@@ -9,19 +9,18 @@
 // (sharkport_decode_attention_f16). Prints the best of 5 trials.
 //
 // Built with the kernels' object as exports link it (built once, then cached):
-//   cc -O2 -mf16c tools/attention_harness.c -o /tmp/attention_harness -lpthread \
-//      $(python -c "from sharkport.kernels import object_path; print(object_path())")
+//   cc -O2 -mf16c tools/attention_harness.c -o /tmp/attention_harness -lpthread $(python -c
+//      "from sharkport.kernels import object_path; print(object_path())")      (one line)
 //   /tmp/attention_harness B LEN CACHES THREADS REPS [f16]        (e.g. 1 480 4 2 3)
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <time.h>
 #include <immintrin.h>
 
-#include "spin_barrier.h"
+#include "harness.h"
 
 // A memref argument: (base, aligned, offset, size, stride).
 #define MEMREF(T) T *, T *, size_t, size_t, size_t
@@ -35,7 +34,6 @@ void sharkport_decode_attention(ATTENTION_ARGS(float));
 void sharkport_decode_attention_f16(ATTENTION_ARGS(uint16_t));
 
 enum { H = 9, HKV = 3, D = 64, L = 30, STRIDE = 32 };
-#define HUGE_PAGE ((size_t)2 << 20)
 static int F16;
 static size_t B, LEN, CACHES, THREADS, REPS, BLOCKS, HPW;
 static void **caches;
@@ -85,9 +83,7 @@ int main(int argc, char **argv) {
   size_t page_count = B * BLOCKS, page_elems = (size_t)L * 2 * STRIDE * HKV * D;
   caches = malloc(CACHES * sizeof *caches);
   for (size_t c = 0; c < CACHES; ++c) {
-    size_t bytes = (page_count * page_elems * (F16 ? 2 : 4) + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
-    caches[c] = aligned_alloc(HUGE_PAGE, bytes);
-    madvise(caches[c], bytes, MADV_HUGEPAGE);  // as a session's cache (sharkport/runtime/hugepages.py)
+    caches[c] = huge_pages(page_count * page_elems * (F16 ? 2 : 4));
     for (size_t i = 0; i < page_count * page_elems; ++i) {
       float x = (float)((i * 2654435761u) % 1000) / 1000 - 0.5f;
       if (F16)

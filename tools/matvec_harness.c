@@ -20,10 +20,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <time.h>
 
-#include "spin_barrier.h"
+#include "harness.h"
 
 // A memref argument: (base, aligned, offset, size, stride).
 #define MEMREF(T) T *, T *, size_t, size_t, size_t
@@ -94,16 +93,6 @@ static double now(void) {
   return t.tv_sec + 1e-9 * t.tv_nsec;
 }
 
-// Weights on 2 MiB pages where Linux gives them, as a session reads the archive
-// (sharkport/runtime/hugepages.py): on 4 KiB pages a product reads memory slower.
-static void *weights(size_t bytes) {
-  const size_t huge = (size_t)2 << 20;
-  bytes = (bytes + huge - 1) / huge * huge;
-  void *p = aligned_alloc(huge, bytes);
-  if (p) madvise(p, bytes, MADV_HUGEPAGE);
-  return p;
-}
-
 int main(int argc, char **argv) {
   if (argc != 8) {
     fprintf(stderr, "usage: %s TYPE M N K COPIES THREADS REPS\n", argv[0]);
@@ -133,9 +122,9 @@ int main(int argc, char **argv) {
   uint16_t **d = calloc(copies, sizeof *d), **m = calloc(copies, sizeof *m);
   srand(1);
   for (size_t c = 0; c < copies; ++c) {
-    qs[c] = weights(qbytes);
-    d[c] = weights(plane_bytes + 2);
-    m[c] = weights((m_bytes > plane_bytes ? m_bytes : plane_bytes) + 2);
+    qs[c] = huge_pages(qbytes);
+    d[c] = huge_pages(plane_bytes + 2);
+    m[c] = huge_pages((m_bytes > plane_bytes ? m_bytes : plane_bytes) + 2);
     if (type == F16 || type == F16_SWIGLU)
       for (size_t i = 0; i < N * K; ++i) ((uint16_t *)qs[c])[i] = 0x3000 | (rand() & 0x83ff);  // |w| in [0.125, 0.25)
     else
