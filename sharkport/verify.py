@@ -217,9 +217,11 @@ def linear_inputs_per_256(dataset) -> list[str] | None:
 def verify_files(vmfb: Path, irpa: Path, config_path: Path, prompts: Sequence[str] = (),
                  token_ids: Sequence[str] = (), max_new_tokens: int = 8, gguf_file: Path | None = None,
                  model_dir: Path | None = None, atol: float | None = None, sigmas: float | None = None,
-                 min_top1: float = 0.99, device: str | None = None, log=print) -> tuple[list[Comparison], Tolerance]:
+                 min_top1: float = 0.99, device: str | None = None, log=print,
+                 hf_model=None) -> tuple[list[Comparison], Tolerance]:
     """`verify` on a compiled module and the eager recipe of the archive it was exported from
-    (and transformers reading `gguf_file` or `model_dir`). `token_ids` are prompts as
+    (and transformers reading `gguf_file` or `model_dir`, or `hf_model`, a transformers model
+    already loaded: the hooks this adds to it are removed before returning). `token_ids` are prompts as
     comma-separated ids, `prompts` texts for the archive's tokenizer. Returns the comparisons
     and the Tolerance they were held to (Tolerance.default for the module and the bounds given).
 
@@ -256,19 +258,25 @@ def verify_files(vmfb: Path, irpa: Path, config_path: Path, prompts: Sequence[st
     compiled = IreeSession(vmfb, irpa, config, pages=pages, device=device)
     model = build_model(dataset, ModelConfig(block_seq_stride=config.block_seq_stride,
                                              kv_cache_dtype=getattr(torch, config.kv_cache_dtype)))
-    hf_model = load_transformers(gguf_file, model_dir) if gguf_file or model_dir else None
+    if gguf_file or model_dir:
+        hf_model = load_transformers(gguf_file, model_dir)
     kernels = bool(referenced_by(vmfb))
     tol = Tolerance.default(kernels, config.kv_cache_dtype, atol, sigmas, min_top1)
+    hooks = []
     if kernels:
         model = use_kernels(model)
         note = f"{vmfb}: exported with the x86-64 kernels (x quantized to 8 bits for quantized weights); the eager " \
                "recipe computes as they do"
         per_256 = linear_inputs_per_256(dataset)
         if hf_model is not None and per_256 is not None:
-            quantize_linear_inputs(hf_model, per_256)
+            hooks = quantize_linear_inputs(hf_model, per_256)
             note += ", and so do transformers' linear layers"
         elif hf_model is not None:
             note += "; transformers multiplies in float32 (so its logits differ by the 8-bit activations)"
         log(note)
     eager = EagerSession(model, config, pages=pages)
-    return verify(compiled, eager, ids, max_new_tokens, hf_model, tol, log), tol
+    try:
+        return verify(compiled, eager, ids, max_new_tokens, hf_model, tol, log), tol
+    finally:
+        for hook in hooks:
+            hook.remove()

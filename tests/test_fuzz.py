@@ -17,7 +17,8 @@ from fuzz_gguf import apply, describe, make_seeds, mutations, run_case
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 HERE = Path(__file__).parent
-SEEDS = make_seeds(Path(tempfile.mkdtemp(prefix="fuzz-seeds-")))
+with tempfile.TemporaryDirectory(prefix="fuzz-seeds-") as _folder:  # the seeds keep their bytes
+    SEEDS = make_seeds(Path(_folder))
 DATA = {s.name: s.data for s in SEEDS}
 
 

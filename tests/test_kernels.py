@@ -751,6 +751,36 @@ def test_prefill_attention_equals_torch_sdpa(head_dim, window, tmp_path):
                                    err_msg=f"{S} positions")
 
 
+def test_eager_products_keep_dequantized_matrices_while_their_planes_are_unchanged():
+    """The eager product (verify's and the tests' reference) computes as gguf.quants dequantizes,
+    keeps each matrix dequantized for the next call, and dequantizes again once a plane is
+    written in place; a matrix's entry goes with its planes."""
+    import gc
+
+    from sharkport.kernels import ops
+
+    rng = np.random.default_rng(5)
+    raw = quantize_array(rng.standard_normal((16, 64)).astype(np.float32), "Q8_0")
+    w = weight_from_raw("Q8_0", (16, 64), raw)
+    x = torch.from_numpy(rng.standard_normal((2, 64)).astype(np.float32))
+
+    def product():
+        return KernelLinear(Linear(w))(x).numpy()
+
+    def want():
+        return _x_seen("Q8_0", x.numpy()).astype(np.float64) @ _dense("Q8_0", raw).T
+
+    held = len(ops._eager_cache)
+    np.testing.assert_allclose(product(), want(), rtol=0, atol=1e-5 * np.abs(want()).max())
+    assert len(ops._eager_cache) == held + 1
+    np.testing.assert_array_equal(product(), product())
+    w.planes["d"].mul_(2)  # every row's scales doubled: the products double
+    np.testing.assert_allclose(product(), 2 * want(), rtol=0, atol=2e-5 * np.abs(want()).max())
+    del w
+    gc.collect()
+    assert len(ops._eager_cache) == held
+
+
 def test_x_not_in_float32_keeps_the_traced_product():
     """Rows of x beyond decode's (prefill's) take the kernel; x not in float32 does not."""
     w = torch.zeros(32, 64, dtype=torch.float16)

@@ -99,39 +99,42 @@ def test_default_export_through_the_kernels_passes(tiny, tmp_path, capsys):
 
 
 @pytest.mark.skipif(not __import__("sharkport.kernels").kernels.available(), reason="no C compiler for the kernels")
-def test_real_model_with_kernels_passes_and_swapped_layers_fail(smollm2_gguf, smollm2_irpa, tmp_path, capsys):
+def test_real_model_with_kernels_passes_and_swapped_layers_fail(smollm2_irpa, smollm2_hf):
     """SmolLM2 Q4_1 exported with the kernels passes at verify's default bounds for such a module
-    (verify.SIGMAS, top-1 where transformers is decisive) against its recipe and transformers,
-    whose logits the 8-bit activations move by about 1.5 (more than any atol a float module
-    meets); transformers reading the same GGUF with layers 20 and 21's attn_v swapped fails."""
+    (verify.SIGMAS, top-1 where transformers is decisive) against its recipe and transformers
+    reading the same GGUF, whose logits the 8-bit activations move by about 1.5 (more than any
+    atol a float module meets); against that transformers model with layers 20 and 21's v_proj
+    swapped it fails. The model is the session's (verify_files' hf_model), left as it was."""
+    import torch
     from real_models import compiled_module
 
-    from sharkport.archive import Dataset
     from sharkport.export.abi import ExportConfig
-    from sharkport.formats.gguf_write import write_gguf
-    from sharkport.verify import ATOL, DECISIVE, SIGMAS, Tolerance
+    from sharkport.verify import ATOL, DECISIVE, SIGMAS, Tolerance, verify_files
 
     config = ExportConfig(bs_prefill=(1,), bs_decode=(1,), block_seq_stride=32, device_block_count=16,
                           max_seq_len=512, matvec_kernels=True)
     vmfb, irpa, config_json = compiled_module(smollm2_irpa, "smollm2-kernels", config)
-    swapped = Dataset.load(smollm2_gguf)
-    weights = swapped.theta._tensors
-    weights["blk.20.attn_v.weight"], weights["blk.21.attn_v.weight"] = \
-        weights["blk.21.attn_v.weight"], weights["blk.20.attn_v.weight"]
-    write_gguf(swapped, tmp_path / "swapped.gguf", progress=False)
+    hf = smollm2_hf[0]
+    v20, v21 = (hf.model.layers[i].self_attn.v_proj.weight for i in (20, 21))
+    before = v20.clone(), v21.clone()
 
-    runs = {}
-    for name, gguf in (("same", smollm2_gguf), ("swapped", tmp_path / "swapped.gguf")):
-        status = verify.main(["--vmfb", str(vmfb), "--irpa-file", str(irpa), "--config", str(config_json),
-                              "--prompt", "The capital of France is", "--prompt", "def fibonacci(n):",
-                              "--max-new-tokens", "24", "--gguf-file", str(gguf)])
-        out = capsys.readouterr().out
-        runs[name] = status, table(out), out
-    status, rows, out = runs["same"]
-    assert status == 0 and out.rstrip().endswith(f"({Tolerance(sigmas=SIGMAS, decisive=DECISIVE)})"), out
-    assert max(r[1] for r in rows.values()) > ATOL["float16"] * 10, out  # what an atol would fail
-    assert all(r[4] >= 10 for r in rows.values()), out  # decisive positions were counted
-    status, rows, out = runs["swapped"]
-    assert status == 1, out
-    assert rows["compiled vs eager"][6] == "PASS"
-    assert rows["compiled vs transformers"][6] == rows["eager vs transformers"][6] == "FAIL", out
+    def run():
+        rows, tol = verify_files(vmfb, irpa, config_json, prompts=["The capital of France is", "def fibonacci(n):"],
+                                 max_new_tokens=24, hf_model=hf, log=lambda line: None)
+        return {r.name: r for r in rows}, tol
+
+    rows, tol = run()
+    assert tol == Tolerance(sigmas=SIGMAS, decisive=DECISIVE)
+    assert all(r.passed for r in rows.values()), rows
+    assert max(r.max_abs_diff for r in rows.values()) > ATOL["float16"] * 10, rows  # what an atol would fail
+    assert all(r.decisive >= 10 for r in rows.values()), rows  # decisive positions were counted
+    with torch.no_grad():
+        v20.copy_(before[1]), v21.copy_(before[0])
+    try:
+        rows, _ = run()
+    finally:
+        with torch.no_grad():
+            v20.copy_(before[0]), v21.copy_(before[1])
+    assert rows["compiled vs eager"].passed
+    assert not rows["compiled vs transformers"].passed and not rows["eager vs transformers"].passed, rows
+    assert all(not h._forward_pre_hooks for h in hf.modules())  # verify's hooks are gone

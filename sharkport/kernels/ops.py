@@ -5,6 +5,7 @@ as the reference the kernels are tested against."""
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 from iree.turbine.runtime.op_reg import CustomOp, KernelBuilder, KernelSelection, def_library
@@ -24,13 +25,44 @@ _LIBRARY = def_library("sharkport_kernels")
 
 # ---- products: one op per (kernel type, form) ----
 
+# The eager ops dequantize each matrix at every call, once a decode step: the matrices dequantized
+# first, up to this many bytes, are kept for as long as their planes live unchanged (a session's
+# weights: all of a small model's, the first layers of a larger one, as a step walks the layers in
+# order).
+EAGER_CACHE_BYTES = 1 << 30
+_eager_cache: dict[tuple, tuple[tuple[tuple[weakref.ref, int], ...], torch.Tensor]] = {}
+_eager_cached_bytes = 0
+
+
+def _forget(key: tuple) -> None:
+    global _eager_cached_bytes
+    entry = _eager_cache.pop(key, None)
+    if entry is not None:
+        _eager_cached_bytes -= entry[1].nbytes
+
+
 def _dequantized(kind: str, planes, k: int) -> torch.Tensor:
     """The matrix of `planes` (PLANES[kind] order; interleaved rows put back) as float32 [N, k]."""
+    global _eager_cached_bytes
+    key = (kind, k, *(id(p) for p in planes))
+    entry = _eager_cache.get(key)
+    if entry is not None and all(ref() is p and version == p._version for (ref, version), p in zip(entry[0], planes)):
+        return entry[1]
+    if kind in FLOAT_KINDS and planes[0].dtype == torch.float32:
+        return planes[0]
     if kind in FLOAT_KINDS:
-        return planes[0].to(torch.float32)
-    w = QuantizedTensor(STORED.get(kind, kind), (planes[0].shape[0], k), dict(zip(PLANES[kind], planes)),
-                        interleaved=kind in STORED)
-    return w.dequant().to(torch.float32)
+        w = planes[0].to(torch.float32)
+    else:
+        w = QuantizedTensor(STORED.get(kind, kind), (planes[0].shape[0], k), dict(zip(PLANES[kind], planes)),
+                            interleaved=kind in STORED).dequant().to(torch.float32)
+    if entry is not None:  # a plane written in place since
+        _forget(key)
+    elif _eager_cached_bytes + w.nbytes <= EAGER_CACHE_BYTES:
+        _eager_cache[key] = tuple((weakref.ref(p), p._version) for p in planes), w
+        _eager_cached_bytes += w.nbytes
+        for p in planes:  # a plane's id may be another tensor's once it is gone
+            weakref.finalize(p, _forget, key)
+    return w
 
 
 def _eager(kind: str, form: Form, x: torch.Tensor, *args) -> torch.Tensor:
