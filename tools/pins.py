@@ -136,7 +136,8 @@ def _in_venv(root: Path, constrained: bool) -> int:
         (py, "-m", "pip", "install", "-q", f"torch=={_pyproject_pin('torch')}"),
         (py, "-m", "pip", "install", "-q", *pins, "-e", ".[test]"),
         (py, "-m", "pip", "install", "-q", *pins, "--no-deps", *NO_DEPS),
-        (py, "-m", "pytest", "tests", "-q", "-m", "not slow", "-n", "2", "--dist", "loadfile", "-p", "no:cacheprovider"),
+        (py, "-m", "pytest", "tests", "-q", "-m", "not slow", "-n", "2", "--dist", "loadfile",
+         "-p", "no:cacheprovider"),
     ]
     for argv in steps:
         if sh(*argv).returncode != 0:
@@ -148,8 +149,8 @@ def _in_venv(root: Path, constrained: bool) -> int:
     changed = differences(read_pins(), parse_pins(frozen))
     CONSTRAINTS.write_text(frozen)
     print("\n".join(changed) or "no pin moved")
-    print(f"wrote {CONSTRAINTS}; run the whole suite in that venv (`{py} -m pytest tests -n 2 --dist loadfile`, kept with "
-          "--keep DIR) before committing")
+    print(f"wrote {CONSTRAINTS}; run the whole suite in that venv (`{py} -m pytest tests -n 2 --dist loadfile`, "
+          "kept with --keep DIR) before committing")
     return 0
 
 
