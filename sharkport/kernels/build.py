@@ -8,6 +8,7 @@ kernels it was exported with), and iree-compile links it into the .vmfb from the
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import platform
@@ -144,10 +145,17 @@ def _jobs() -> int:
 @cache
 def _built(cc: str, flags: tuple[str, ...], obj: Path) -> Path:
     """obj, matvec.c compiled by cc with flags unless the cache already holds it: its PARTS parts
-    at once, then combined into one relocatable object."""
+    at once, then combined into one relocatable object. Processes needing it at once (a suite on
+    two processes, exports side by side) build it once: the others wait on the build's lock."""
     if obj.exists():
         return obj
     obj.parent.mkdir(parents=True, exist_ok=True)
+    with open(obj.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return obj if obj.exists() else _build(cc, flags, obj)
+
+
+def _build(cc: str, flags: tuple[str, ...], obj: Path) -> Path:
     tmp = obj.with_suffix(f".{os.getpid()}.tmp")
     parts = [obj.with_suffix(f".{os.getpid()}.part{k}.o") for k in range(PARTS)]
 

@@ -1476,12 +1476,14 @@ INLINE void q4k_x8(const workspace *ws, int kind, const uint8_t *qs, const uint8
     __m256i sc[2], mn[2];
     k4_scales_x8(scales, sc, mn);
     EIGHT(__m256i, si, _mm256_setzero_si256());
+#pragma GCC unroll 8  // k a constant: the scales' byte shuffles and the shifts by k (rolled: 1.8x the time)
     for (size_t k = 0; k < 8; ++k) {  // sub-block k: low (k even) or high nibbles of chunks 8 (k / 2) ..
       const uint8_t *chunk = qs + 256 * (k / 2);
       if (!(k & 1))
         for (size_t line = 0; line < 256; line += 64) PREFETCH_TWO_STEPS(chunk + line);
       __m256i scale = byte_in_halves(sc[k / 4], (int)(k % 4));
       EIGHT(__m256i, s16, _mm256_setzero_si256());
+#pragma GCC unroll 8
       for (size_t l = 0; l < 8; ++l) {
         __m256i v = load32(chunk + 32 * l);
         __m256i q = _mm256_and_si256(k & 1 ? _mm256_srli_epi16(v, 4) : v, low4);
@@ -1502,6 +1504,7 @@ INLINE void q4k_x8(const workspace *ws, int kind, const uint8_t *qs, const uint8
     }
     __m256 dv = halves8(d + 8 * s), mv = halves8(dmin + 8 * s);
     __m256i mk[8];  // each sub-block's mins, for x's two sums of 16
+#pragma GCC unroll 8
     for (size_t k = 0; k < 8; ++k) mk[k] = byte_in_halves(mn[k / 4], (int)(k % 4));
 #define ROW(i)                                                                                                   \
   if (i < MC) {                                                                                                  \
