@@ -41,23 +41,26 @@ def _forget(key: tuple) -> None:
         _eager_cached_bytes -= entry[1].nbytes
 
 
-def _dequantized(kind: str, planes, k: int) -> torch.Tensor:
+def _dequantize(kind: str, planes, k: int) -> torch.Tensor:
     """The matrix of `planes` (PLANES[kind] order; interleaved rows put back) as float32 [N, k]."""
+    if kind in FLOAT_KINDS:
+        return planes[0].to(torch.float32)
+    w = QuantizedTensor(STORED.get(kind, kind), (planes[0].shape[0], k), dict(zip(PLANES[kind], planes)),
+                        interleaved=kind in STORED)
+    return w.dequant().to(torch.float32)
+
+
+def _dequantized(kind: str, planes, k: int) -> torch.Tensor:
+    """_dequantize's matrix, kept while it fits EAGER_CACHE_BYTES and its planes are unchanged."""
     global _eager_cached_bytes
     key = (kind, k, *(id(p) for p in planes))
     entry = _eager_cache.get(key)
-    if entry is not None and all(ref() is p and version == p._version for (ref, version), p in zip(entry[0], planes)):
-        return entry[1]
-    if kind in FLOAT_KINDS and planes[0].dtype == torch.float32:
-        return planes[0]
-    if kind in FLOAT_KINDS:
-        w = planes[0].to(torch.float32)
-    else:
-        w = QuantizedTensor(STORED.get(kind, kind), (planes[0].shape[0], k), dict(zip(PLANES[kind], planes)),
-                            interleaved=kind in STORED).dequant().to(torch.float32)
-    if entry is not None:  # a plane written in place since
-        _forget(key)
-    elif _eager_cached_bytes + w.nbytes <= EAGER_CACHE_BYTES:
+    if entry is not None:
+        if all(ref() is p and version == p._version for (ref, version), p in zip(entry[0], planes)):
+            return entry[1]
+        _forget(key)  # a plane written in place since
+    w = _dequantize(kind, planes, k)
+    if w.data_ptr() != planes[0].data_ptr() and _eager_cached_bytes + w.nbytes <= EAGER_CACHE_BYTES:
         _eager_cache[key] = tuple((weakref.ref(p), p._version) for p in planes), w
         _eager_cached_bytes += w.nbytes
         for p in planes:  # a plane's id may be another tensor's once it is gone
