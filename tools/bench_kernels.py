@@ -1,12 +1,13 @@
 #!/usr/bin/env python
 """Throughput of the matvec kernels outside IREE, with the weights in the caches and read from
-memory: what bounds decode's products on this machine (issue 6).
+memory: what bounds decode's products on this machine.
 
-    python tools/bench_kernels.py [--types q4_1,q8_0,f16] [--markdown out.md]
+    python tools/bench_kernels.py [--types q4_1,q8_0,f16] [--model smollm2|llama3-3b] [--markdown out.md]
 
 Builds tools/matvec_harness.c with the kernels' object, the one exports link (kernels.object_path():
-AVX-512 where this machine has it), and times SmolLM2's feed-forward products
-(gate/up 1536x576, down 576x1536) at 1 and 4 rows of x, on 1 and 2 threads (each product's
+AVX-512 where this machine has it), and times a model's feed-forward products
+(SmolLM2's gate/up 1536x576 and down 576x1536, or Llama-3.2-3B's 8192x3072 and 3072x8192, whose
+rows are long enough for the K-quants' 256-value super-blocks) at 1 and 4 rows of x, on 1 and 2 threads (each product's
 workgroups shared among the threads as IREE's workers share them, with a barrier after each
 product): once with one copy of the weights (it stays in the caches), once with enough copies to
 pass the L3 (read from memory). A product that runs as fast from memory as from the caches is bound
@@ -31,10 +32,13 @@ sys.path.insert(0, str(TOOLS.parent))
 
 from sharkport.kernels import object_path  # noqa: E402
 
-SHAPES = {"gate/up 1536x576": (1536, 576), "down 576x1536": (576, 1536)}
-# q4_1, q8_0, q5_0: rows interleaved as exported modules read them; -stored: as stored (see the harness)
-BYTES_PER_WEIGHT = {"q4_1": 20 / 32, "q8_0": 34 / 32, "q5_0": 22 / 32, "f16": 2.0, "q4_1-stored": 20 / 32,
-                    "q8_0-stored": 34 / 32}
+SHAPES = {"smollm2": {"gate/up 1536x576": (1536, 576), "down 576x1536": (576, 1536)},
+          "llama3-3b": {"gate/up 8192x3072": (8192, 3072), "down 3072x8192": (3072, 8192)}}
+# q4_1, q8_0, q5_0, q4_k, q6_k: rows interleaved as exported modules read them; -stored: as stored
+# (see the harness)
+BYTES_PER_WEIGHT = {"q4_1": 20 / 32, "q8_0": 34 / 32, "q5_0": 22 / 32, "q4_k": 144 / 256, "q6_k": 210 / 256,
+                    "f16": 2.0, "q4_1-stored": 20 / 32, "q8_0-stored": 34 / 32}
+K_QUANTS = {"q4_k", "q6_k"}  # rows of 256 values at least
 MEMORY_BYTES = 128e6  # copies of the weights that far exceed the L3
 
 
@@ -66,12 +70,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--types", default="q4_1,q8_0,f16",
                         help=f"comma-separated, of {', '.join(BYTES_PER_WEIGHT)} (default q4_1,q8_0,f16)")
+    parser.add_argument("--model", choices=sorted(SHAPES), default="smollm2",
+                        help="whose feed-forward shapes (default smollm2; q4_k and q6_k need llama3-3b)")
     parser.add_argument("--markdown", type=Path, help="also write the table to this file")
     args = parser.parse_args()
     types = [t.strip().lower() for t in args.types.split(",") if t.strip()]
     bad = [t for t in types if t not in BYTES_PER_WEIGHT]
     if bad or not types:
         parser.error(f"--types: unknown {', '.join(bad) or '(none)'}; choose from {', '.join(BYTES_PER_WEIGHT)}")
+    short = [t for t in types if t in K_QUANTS and any(k % 256 for _, k in SHAPES[args.model].values())]
+    if short:
+        parser.error(f"--types {','.join(short)}: {args.model}'s rows are not whole 256-value super-blocks; "
+                     "add --model llama3-3b")
     from bench import emit, read_bandwidth
 
     bandwidth, probe = read_bandwidth()
@@ -84,7 +94,7 @@ def main() -> None:
         lines[0] += ("; vector operations a core completes per ns, alone (with every CPU busy): "
                      + ", ".join(f"{name} {rate:.1f} ({every[name]:.1f})" for name, rate in one.items()))
         for t in types:
-            for name, (n, k) in SHAPES.items():
+            for name, (n, k) in SHAPES[args.model].items():
                 size = n * k * BYTES_PER_WEIGHT[t]
                 copies = int(MEMORY_BYTES / size) + 1
                 for rows in (1, 4):

@@ -6,10 +6,12 @@
 //
 //   matvec_harness TYPE M N K COPIES THREADS REPS
 //
-// TYPE: q4_1, q8_0, q5_0, q4_1-stored, q8_0-stored, f16 or f16-swiglu. q4_1, q8_0 and q5_0 multiply
-// as an exported module does: the rows of w interleaved eight at a time (sharkport.kernels.interleave_rows;
-// N a multiple of 8), by sharkport_matvec_q4_1x8, _q8_0x8 and _q5_0x8 (Q5_0's random fifth bits
-// need no placing: they are as random in any order). The -stored types read w as stored, a
+// TYPE: q4_1, q8_0, q5_0, q4_k, q6_k, q4_1-stored, q8_0-stored, f16 or f16-swiglu. q4_1, q8_0 and
+// q5_0 multiply as an exported module does: the rows of w interleaved eight at a time
+// (sharkport.kernels.interleave_rows; N a multiple of 8), by sharkport_matvec_q4_1x8, _q8_0x8 and
+// _q5_0x8 (Q5_0's random fifth bits need no placing: they are as random in any order). q4_k and
+// q6_k are Q4_KX8 and Q6_KX8 (_q4_kx8, _q6_kx8; K a multiple of 256), every byte of their planes
+// random: a product's work does not depend on the values' order. The -stored types read w as stored, a
 // row at a time (what modules do for matrices of other row counts). f16-swiglu is the gate and up
 // projections' product, silu(x a^T) * (x b^T) (sharkport_matvec_swiglu_f16), b the copy of w half
 // the copies on from a; its GB/s count both.
@@ -37,17 +39,21 @@ void sharkport_matvec_q8_0x8(MEMREF(const float), MEMREF(const int8_t), MEMREF(c
                              size_t, size_t, size_t, size_t, size_t);
 void sharkport_matvec_q8_0(MEMREF(const float), MEMREF(const int8_t), MEMREF(const uint16_t), MEMREF(float),
                            size_t, size_t, size_t, size_t, size_t);
+void sharkport_matvec_q4_kx8(MEMREF(const float), MEMREF(const uint8_t), MEMREF(const uint16_t), MEMREF(const uint16_t),
+                             MEMREF(const uint8_t), MEMREF(float), size_t, size_t, size_t, size_t, size_t);
+void sharkport_matvec_q6_kx8(MEMREF(const float), MEMREF(const uint8_t), MEMREF(const uint16_t), MEMREF(const uint8_t),
+                             MEMREF(const uint8_t), MEMREF(float), size_t, size_t, size_t, size_t, size_t);
 void sharkport_matvec_f16(MEMREF(const float), MEMREF(const uint16_t), MEMREF(float), size_t, size_t, size_t,
                           size_t, size_t);
 void sharkport_matvec_swiglu_f16(MEMREF(const float), MEMREF(const uint16_t), MEMREF(const uint16_t), MEMREF(float),
                                  size_t, size_t, size_t, size_t, size_t);
 
-enum { Q4_1, Q8_0, F16, Q4_1_STORED, Q8_0_STORED, F16_SWIGLU, Q5_0 };
+enum { Q4_1, Q8_0, F16, Q4_1_STORED, Q8_0_STORED, F16_SWIGLU, Q5_0, Q4_K, Q6_K };
 typedef struct {
   int type, thread, threads, reps;
   size_t M, N, K, rows, workgroups, copies;
-  uint8_t **qs;
-  uint16_t **d, **m;  // m: Q4_1's offsets, Q5_0's fifth bits
+  uint8_t **qs, **sc;  // sc: the K-quants' scales
+  uint16_t **d, **m;   // m: Q4_1's offsets, Q5_0's and Q6_K's high bits, Q4_K's dmin
   float *x, *y;
 } job;
 
@@ -59,6 +65,12 @@ static void product(const job *j, size_t c) {
     else if (j->type == Q5_0)
       sharkport_matvec_q5_0x8(ARG(j->x), ARG(j->qs[c]), ARG(j->d[c]), ARG((const uint8_t *)j->m[c]), ARG(j->y), j->M,
                               j->N, j->K, j->rows, wg);
+    else if (j->type == Q4_K)
+      sharkport_matvec_q4_kx8(ARG(j->x), ARG(j->qs[c]), ARG(j->d[c]), ARG(j->m[c]), ARG(j->sc[c]), ARG(j->y), j->M,
+                              j->N, j->K, j->rows, wg);
+    else if (j->type == Q6_K)
+      sharkport_matvec_q6_kx8(ARG(j->x), ARG(j->qs[c]), ARG(j->d[c]), ARG((const uint8_t *)j->m[c]), ARG(j->sc[c]),
+                              ARG(j->y), j->M, j->N, j->K, j->rows, wg);
     else if (j->type == Q4_1_STORED)
       sharkport_matvec_q4_1(ARG(j->x), ARG(j->qs[c]), ARG(j->d[c]), ARG(j->m[c]), ARG(j->y), j->M, j->N, j->K,
                             j->rows, wg);
@@ -100,11 +112,13 @@ int main(int argc, char **argv) {
   }
   int type = !strcmp(argv[1], "q4_1") ? Q4_1 : !strcmp(argv[1], "q8_0") ? Q8_0 : !strcmp(argv[1], "f16") ? F16
              : !strcmp(argv[1], "q4_1-stored") ? Q4_1_STORED : !strcmp(argv[1], "q8_0-stored") ? Q8_0_STORED
-             : !strcmp(argv[1], "f16-swiglu")  ? F16_SWIGLU : !strcmp(argv[1], "q5_0") ? Q5_0 : -1;
+             : !strcmp(argv[1], "f16-swiglu")  ? F16_SWIGLU : !strcmp(argv[1], "q5_0") ? Q5_0
+             : !strcmp(argv[1], "q4_k")        ? Q4_K : !strcmp(argv[1], "q6_k") ? Q6_K : -1;
   size_t M = atol(argv[2]), N = atol(argv[3]), K = atol(argv[4]), copies = atol(argv[5]);
   int threads = atoi(argv[6]), reps = atoi(argv[7]);
-  if (type < 0 || !M || M > 8 || !N || !K || K % 32 || !copies || threads < 1 || threads > 64 || reps < 1 ||
-      ((type == Q4_1 || type == Q8_0 || type == Q5_0) && N % 8)) {
+  int kq = type == Q4_K || type == Q6_K;
+  if (type < 0 || !M || M > 8 || !N || !K || K % (kq ? 256 : 32) || !copies || threads < 1 || threads > 64 ||
+      reps < 1 || ((type == Q4_1 || type == Q8_0 || type == Q5_0 || kq) && N % 8)) {
     fprintf(stderr, "%s: bad arguments\n", argv[0]);
     return 2;
   }
@@ -115,22 +129,26 @@ int main(int argc, char **argv) {
   size_t rows = 32 * ((N + 32 * W - 1) / (32 * W)), B = K / 32;
   rows = rows < 256 ? rows : 256;
   int q4 = type == Q4_1 || type == Q4_1_STORED, q8 = type == Q8_0 || type == Q8_0_STORED;
-  size_t qbytes = q4 || type == Q5_0 ? N * K / 2 : q8 ? N * K : 2 * N * K;  // of one matrix
-  size_t plane_bytes = type == F16 || type == F16_SWIGLU ? 0 : 2 * N * B;  // each of d (and m)
-  size_t m_bytes = type == Q5_0 ? N * K / 8 : q4 ? plane_bytes : 0;       // read of m
-  uint8_t **qs = calloc(copies, sizeof *qs);
+  size_t qbytes = q4 || type == Q5_0 || kq ? N * K / 2 : q8 ? N * K : 2 * N * K;  // of one matrix
+  size_t plane_bytes = type == F16 || type == F16_SWIGLU ? 0 : kq ? 2 * N * (K / 256) : 2 * N * B;  // each of d (and m)
+  size_t m_bytes = type == Q5_0 ? N * K / 8 : type == Q6_K ? N * K / 4 : q4 || type == Q4_K ? plane_bytes : 0;  // read of m
+  size_t sc_bytes = type == Q4_K ? 12 * N * (K / 256) : type == Q6_K ? 16 * N * (K / 256) : 0;
+  // K-quants: every byte random (the layout's order does not change the work), d and dmin small
+  uint8_t **qs = calloc(copies, sizeof *qs), **sc = calloc(copies, sizeof *sc);
   uint16_t **d = calloc(copies, sizeof *d), **m = calloc(copies, sizeof *m);
   srand(1);
   for (size_t c = 0; c < copies; ++c) {
     qs[c] = huge_pages(qbytes);
     d[c] = huge_pages(plane_bytes + 2);
     m[c] = huge_pages((m_bytes > plane_bytes ? m_bytes : plane_bytes) + 2);
+    sc[c] = huge_pages(sc_bytes + 2);
+    for (size_t i = 0; i < sc_bytes; ++i) sc[c][i] = rand();
     if (type == F16 || type == F16_SWIGLU)
       for (size_t i = 0; i < N * K; ++i) ((uint16_t *)qs[c])[i] = 0x3000 | (rand() & 0x83ff);  // |w| in [0.125, 0.25)
     else
       for (size_t i = 0; i < qbytes; ++i) qs[c][i] = rand();
     for (size_t i = 0; i < plane_bytes / 2; ++i) d[c][i] = 0x2000 | (rand() & 0xff), m[c][i] = 0xa000 | (rand() & 0xff);
-    if (type == Q5_0)
+    if (type == Q5_0 || type == Q6_K)
       for (size_t i = 0; i < m_bytes; ++i) ((uint8_t *)m[c])[i] = rand();
   }
   if (type == Q4_1 || type == Q8_0) {  // as sharkport.kernels.interleave_rows
@@ -163,14 +181,14 @@ int main(int argc, char **argv) {
     spin_barrier_init(threads);
     double t0 = now();
     for (int i = 0; i < threads; ++i) {
-      jobs[i] = (job){type, i, threads, reps, M, N, K, rows, (N + rows - 1) / rows, copies, qs, d, m, x, y};
+      jobs[i] = (job){type, i, threads, reps, M, N, K, rows, (N + rows - 1) / rows, copies, qs, sc, d, m, x, y};
       pthread_create(&t[i], 0, worker, &jobs[i]);
     }
     for (int i = 0; i < threads; ++i) pthread_join(t[i], 0);
     double seconds = (now() - t0) / ((double)reps * copies);
     best = seconds < best ? seconds : best;
   }
-  double bytes = (qbytes + (plane_bytes ? plane_bytes + m_bytes : 0)) * (type == F16_SWIGLU ? 2 : 1);
+  double bytes = (qbytes + (plane_bytes ? plane_bytes + m_bytes : 0) + sc_bytes) * (type == F16_SWIGLU ? 2 : 1);
   printf("%.2f %.3f\n", best * 1e6, bytes / best / 1e9);
   return 0;
 }
