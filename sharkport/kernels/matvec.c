@@ -1445,6 +1445,14 @@ INLINE __m256i byte_in_halves(__m256i v, int k) {
   return _mm256_shuffle_epi8(v, _mm256_setr_m128i(at, at));
 }
 
+// The AVX2 eight-row K-quant loops' rows of x in super-block s, xr0 .. xr7 (a pointer each, so that
+// each step's four bytes of x are at a constant offset from one: computed from i * K, they took an
+// address computation a step).
+#define K_X8_ROWS_OF_X                                                                              \
+  const int8_t *xr0 = ws->q + 256 * s, *xr1 = xr0 + K, *xr2 = xr1 + K, *xr3 = xr2 + K, *xr4 = xr3 + K, \
+               *xr5 = xr4 + K, *xr6 = xr5 + K, *xr7 = xr6 + K;                                        \
+  (void)xr1, (void)xr2, (void)xr3, (void)xr4, (void)xr5, (void)xr6, (void)xr7
+
 // The AVX2 eight-row K-quant loops' steps for row i of x: a chunk's values q times x's four at xq
 // as 16-bit pair sums into s16_i, and s16_i times the rows' scales into 32 bits in si_i.
 #define K_X8_PAIR_SUMS(i, xq)                                                   \
@@ -1484,6 +1492,7 @@ INLINE void q4k_x8(const workspace *ws, int kind, const uint8_t *qs, const uint8
     __m256i sc[2], mn[2];
     k4_scales_x8(scales, sc, mn);
     EIGHT(__m256i, si, _mm256_setzero_si256());
+    K_X8_ROWS_OF_X;
 #pragma GCC unroll 8  // k a constant: the scales' byte shuffles and the shifts by k (rolled: 1.8x the time)
     for (size_t k = 0; k < 8; ++k) {  // sub-block k: low (k even) or high nibbles of chunks 8 (k / 2) ..
       const uint8_t *chunk = qs + 256 * (k / 2);
@@ -1500,7 +1509,7 @@ INLINE void q4k_x8(const workspace *ws, int kind, const uint8_t *qs, const uint8
           h = k < 4 ? _mm256_slli_epi16(h, (int)(4 - k)) : _mm256_srli_epi16(h, (int)(k - 4));
           q = _mm256_or_si256(q, _mm256_and_si256(h, bit4));
         }
-#define ROW(i) K_X8_PAIR_SUMS(i, ws->q + i * K + 256 * s + 32 * k + 4 * l)
+#define ROW(i) K_X8_PAIR_SUMS(i, xr##i + 32 * k + 4 * l)
         ROWS_OF_X(ROW)
 #undef ROW
         if (l == 7 || (five && l == 3)) {  // at most 8 * 2 * 15 * 127, or 4 * 2 * 31 * 127
@@ -1657,7 +1666,7 @@ INLINE __m256i sbyte_pairs(__m256i v, int b) {
 // The AVX2 16-value sub-block loops' step (q6k_x8, q23k_x8): chunk l (of 4) of sub-block j of
 // super-block s, its values q, into each row of x's 16-bit sums, those taken into 32 bits by the
 // sub-block's scale every two chunks.
-#define K16_X8_SUMS(i) K_X8_PAIR_SUMS(i, ws->q + i * K + 256 * s + 16 * j + 4 * l)
+#define K16_X8_SUMS(i) K_X8_PAIR_SUMS(i, xr##i + 16 * j + 4 * l)
 #define K16_X8_SCALED(i) K_X8_SCALED(i, scale)
 #define K16_X8_STEP          \
   ROWS_OF_X(K16_X8_SUMS)     \
@@ -1676,6 +1685,7 @@ INLINE void q6k_x8(const workspace *ws, const uint8_t *ql, const uint8_t *qh, co
   for (size_t s = 0; s < S; ++s, ql += 1024, qh += 512, scales += 128) {
     const __m256i sc[4] = {load32(scales), load32(scales + 32), load32(scales + 64), load32(scales + 96)};
     EIGHT(__m256i, si, _mm256_setzero_si256());
+    K_X8_ROWS_OF_X;
 #pragma GCC unroll 16  // so that the shifts by k are constants
     for (size_t j = 0; j < 16; ++j) {  // sub-block j: the first or second half (j % 2) of value group j / 2
       const size_t g = j / 2, k = g % 4;
@@ -1847,6 +1857,7 @@ INLINE void q23k_x8(const workspace *ws, int kind, const uint8_t *qs, const uint
     __m256i sc[4], mn[4];
     k23_scales_x8(kind, scales, sc, mn);
     EIGHT(__m256i, si, _mm256_setzero_si256());
+    K_X8_ROWS_OF_X;
 #pragma GCC unroll 16  // so that the shifts by k are constants
     for (size_t j = 0; j < 16; ++j) {  // sub-block j: the first or second half (j % 2) of value group j / 2
       const size_t g = j / 2, h = g / 4, k = g % 4;
