@@ -5,9 +5,9 @@ memory: what bounds decode's products on this machine.
     python tools/bench_kernels.py [--types q4_1,q8_0,f16] [--model smollm2|llama3-3b] [--markdown out.md]
 
 Builds tools/matvec_harness.c with the kernels' object, the one exports link (kernels.object_path():
-AVX-512 where this machine has it), and times a model's feed-forward products
-(SmolLM2's gate/up 1536x576 and down 576x1536, or Llama-3.2-3B's 8192x3072 and 3072x8192, whose
-rows are long enough for the K-quants' 256-value super-blocks) at 1 and 4 rows of x, on 1 and 2 threads (each product's
+AVX-512 where this machine has it), and times a model's feed-forward products (SmolLM2's gate/up
+1536x576 and down 576x1536, or Llama-3.2-3B's 8192x3072 and 3072x8192, whose rows are whole
+256-value super-blocks for the K-quants) at 1 and 4 rows of x, on 1 and 2 threads (each product's
 workgroups shared among the threads as IREE's workers share them, with a barrier after each
 product): once with one copy of the weights (it stays in the caches), once with enough copies to
 pass the L3 (read from memory). A product that runs as fast from memory as from the caches is bound

@@ -1409,8 +1409,8 @@ INLINE void q23k_row(int kind, const workspace *ws, const uint8_t *qs, const uin
 }
 
 // The AVX2 K-quant loops (q4k_x8, q6k_x8, q23k_x8) at one row of x leave their weights to the
-// hardware's prefetch, which streams large matrices faster than either step (a 3B's decode bs1);
-// at more rows of x they fetch in two steps.
+// hardware's prefetch, which streams large matrices (a 3B's) faster than the two steps do; at more
+// rows of x they fetch in two steps.
 #define PREFETCH_KX8_AVX2(p)           \
   do {                                 \
     if (MC > 1) PREFETCH_TWO_STEPS(p); \
@@ -1445,9 +1445,8 @@ INLINE __m256i byte_in_halves(__m256i v, int k) {
   return _mm256_shuffle_epi8(v, _mm256_setr_m128i(at, at));
 }
 
-// The AVX2 eight-row K-quant loops' rows of x in super-block s, xr0 .. xr7 (a pointer each, so that
-// each step's four bytes of x are at a constant offset from one: computed from i * K, they took an
-// address computation a step).
+// The AVX2 eight-row K-quant loops' rows of x in super-block s, xr0 .. xr7: a step's four bytes of
+// x are then a constant offset from a pointer (from i * K, gcc spent an address computation a step).
 #define K_X8_ROWS_OF_X                                                                              \
   const int8_t *xr0 = ws->q + 256 * s, *xr1 = xr0 + K, *xr2 = xr1 + K, *xr3 = xr2 + K, *xr4 = xr3 + K, \
                *xr5 = xr4 + K, *xr6 = xr5 + K, *xr7 = xr6 + K;                                        \

@@ -60,6 +60,7 @@ def _dequantized(kind: str, planes, k: int) -> torch.Tensor:
             return entry[1]
         _forget(key)  # a plane written in place since
     w = _dequantize(kind, planes, k)
+    # a float32 plane is its own matrix: nothing to keep
     if w.data_ptr() != planes[0].data_ptr() and _eager_cached_bytes + w.nbytes <= EAGER_CACHE_BYTES:
         _eager_cache[key] = tuple((weakref.ref(p), p._version) for p in planes), w
         _eager_cached_bytes += w.nbytes
