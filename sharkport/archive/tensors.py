@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Union
 
 import numpy as np
 
-from ..quant import BLOCK_TYPES, PLAIN_TYPES, interleave_planes, interleaves
+from ..quant import BLOCK_TYPES, PLAIN_TYPES, interleave_planes, interleaved_rows, interleaves
 
 if TYPE_CHECKING:
     import torch
@@ -46,15 +46,7 @@ class QuantizedTensor:
         """Dequantizes only the rows `ids` of a 2-D tensor: [*ids.shape, shape[-1]] float32."""
         if not self.interleaved:
             return BLOCK_TYPES[self.type_name].dequant({k: p[ids] for k, p in self.planes.items()})
-        import torch
-
-        # each id's group of eight rows (a gather by one index, as IREE lowers it), put in row order
-        # and dequantized, then the id's row of the eight
-        groups = {k: p.reshape(p.shape[0] // 8, -1)[ids // 8].reshape(-1, *p.shape[1:]) for k, p in self.planes.items()}
-        rows = QuantizedTensor(self.type_name, self.shape, groups, interleaved=True).row_order()
-        values = BLOCK_TYPES[self.type_name].dequant(rows.planes).reshape(*ids.shape, 8, self.shape[-1])
-        lane = (ids % 8)[..., None, None].expand(*ids.shape, 1, self.shape[-1])
-        return values.gather(-2, lane).squeeze(-2)
+        return BLOCK_TYPES[self.type_name].dequant(interleaved_rows(self.type_name, self.planes, ids))
 
 
 # For annotations only; "torch.Tensor" stays a name so that importing this needs no torch.

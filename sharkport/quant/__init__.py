@@ -166,20 +166,49 @@ def interleave_planes(type_name: str, planes: dict, inverse: bool = False) -> di
     return out
 
 
+def interleaved_rows(type_name: str, planes: dict, ids):
+    """Rows `ids` (an int64 torch tensor) of a `type_name` matrix whose planes (torch tensors) are
+    interleaved, in row order: each plane [*ids.shape, *plane.shape[1:]]. Each plane is one gather
+    of those rows' elements at their offsets in interleave_planes' layout, so that a traced program
+    reads only them, rather than putting their whole groups of eight in row order (a few dozen
+    dispatches of an embedding lookup each decode step)."""
+    import torch
+
+    group, lane = ids // INTERLEAVED_ROWS, ids % INTERLEAVED_ROWS
+    out = {}
+    for name, p in planes.items():
+        b = p.shape[1]
+        if p.ndim == 3:  # element (block, 4 c + t) of row r at (block, c, r, t) of its group
+            size = p.shape[2]
+            offsets = (torch.arange(b).reshape(b, 1, 1) * (size * INTERLEAVED_ROWS)
+                       + torch.arange(size // 4).reshape(1, -1, 1) * (4 * INTERLEAVED_ROWS)
+                       + torch.arange(4).reshape(1, 1, 4)).reshape(-1)
+            row_step = 4
+        else:  # element block of row r at (block, r)
+            offsets, row_step = torch.arange(b) * INTERLEAVED_ROWS, 1
+        start = group * p[:INTERLEAVED_ROWS].numel() + lane * row_step
+        rows = p.reshape(-1)[start[..., None] + offsets].reshape(*ids.shape, *p.shape[1:])
+        out[name] = _place_fifth_bits(rows, inverse=True) if type_name in FIFTH_BIT_TYPES and name == "qh" else rows
+    return out
+
+
 def _place_fifth_bits(qh, inverse: bool):
     """Q5's qh plane [..., 4] (a numpy array or torch tensor of uint8) with each row's fifth bits
     placed by value (FIFTH_BIT_TYPES), or with `inverse` put back in value order: the 32 bits'
-    index (h, j, t) becomes (t, j, h). Shifts by Python ints only, which the traced program lowers."""
+    index (h, j, t) becomes (t, j, h). In torch, by constant multiplies, scalar shifts and a sum,
+    which the traced program lowers and IREE fuses (dequant._bits)."""
     lead = tuple(qh.shape[:-1])
-    bits = [(qh >> k) & 1 for k in range(8)]
     n = len(lead)
     order = (*range(n), n + 2, n + 1, n)
+    groups = (4, 4, 2) if inverse else (2, 4, 4)
     if hasattr(qh, "permute"):
         import torch
 
-        bits = torch.stack(bits, dim=-1).reshape(*lead, *((4, 4, 2) if inverse else (2, 4, 4))).permute(*order)
-    else:
-        bits = np.stack(bits, axis=-1).reshape(*lead, *((4, 4, 2) if inverse else (2, 4, 4))).transpose(order)
+        bit = lambda values: torch.tensor(values, dtype=torch.uint8)  # noqa: E731
+        bits = (qh.unsqueeze(-1) * bit([1 << (7 - k) for k in range(8)])) >> 7  # bit k of each byte
+        bits = bits.reshape(*lead, *groups).permute(*order).reshape(*lead, 4, 8)
+        return (bits * bit([1 << k for k in range(8)])).sum(-1, dtype=torch.uint8)
+    bits = np.stack([(qh >> k) & 1 for k in range(8)], axis=-1).reshape(*lead, *groups).transpose(order)
     bits = bits.reshape(*lead, 4, 8)
     packed = bits[..., 0]
     for k in range(1, 8):

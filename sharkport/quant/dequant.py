@@ -19,10 +19,13 @@ def _scale(t: torch.Tensor) -> torch.Tensor:
 
 def _bits(x: torch.Tensor, start: int, step: int, mask: int) -> torch.Tensor:
     """uint8 [..., n] → [..., k, n]: field j is `(x >> (start + j*step)) & mask`, for every
-    shift below 8. Shifts by Python ints: torch-mlir lowers neither a uint8 `arange` nor a
-    shift by a tensor, so the traced program only holds scalar shifts. A shift by 0, and a mask
-    keeping every bit a uint8 shift left, are not written (each traced op costs export time)."""
-    return torch.stack([_field(x, shift, mask) for shift in range(start, 8, step)], dim=-2)
+    shift below 8. torch-mlir lowers neither a uint8 `arange` nor a shift by a tensor, and a
+    stack of the fields becomes a copy dispatch each in IREE; so field j is `x` times
+    2^(8 - width - shift) (a left shift, mod 256) shifted right by 8 - width: one broadcast
+    multiply by a constant and one scalar shift, which IREE fuses with what follows."""
+    width = mask.bit_length()
+    shifts = [1 << (8 - width - shift) for shift in range(start, 8, step)]
+    return (x.unsqueeze(-2) * torch.tensor(shifts, dtype=torch.uint8).unsqueeze(-1)) >> (8 - width)
 
 
 def _field(x: torch.Tensor, shift: int, mask: int) -> torch.Tensor:
