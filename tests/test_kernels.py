@@ -1067,26 +1067,27 @@ def test_batch1_decode_copies_no_index_arguments(kernel_module):
     """iree-compile's command buffer of decode_bs1 through the kernels copies no page ids,
     positions or lengths: IREE 3.9 copies a batch-1 call's arguments into a transient buffer before
     each kernel dispatch that reads them unless they come from a dispatch
-    (kernels.decode_indices; 117 copy commands a SmolLM2 step without it). What it still copies is
-    the token id, 8 bytes, which both of the embedding's dispatches read (its rows are interleaved)."""
+    (kernels.decode_indices; 117 copy commands a SmolLM2 step without it). Nor does it copy the
+    token id: the embedding's gathers read the token's row at offsets a dispatch computes from it."""
     decode = _decode_bs1_commands(kernel_module("q8_0")[0].with_suffix(".mlir"))
     copies = re.findall(r"@hal\.command_buffer\.copy_buffer\(.*?, %c(\d+), %zero\)", decode)
-    assert copies == ["8"], f"copy commands in decode_bs1 of these byte counts: {copies}"
+    assert copies == [], f"copy commands in decode_bs1 of these byte counts: {copies}"
 
 
 def test_a_decode_layer_is_one_dispatch(kernel_module):
     """Through the kernels a llama layer's decode step is one dispatch (the layer block: q/k/v with
     the attention norm, attention with rotary and the cache write, the output product with the
     residual, SwiGLU with the FFN norm, the down product with the residual). iree-compile's command
-    buffer of decode_bs1 for the tiny llama (2 layers) holds them and the step's own 8 (the clamped
+    buffer of decode_bs1 for the tiny llama (2 layers) holds them and the step's own 10 (the clamped
     page ids, positions and lengths of kernels.decode_indices, the rotary angles, the embedding's
-    two: the token's group of eight interleaved rows dequantized, then its row, the final norm
-    with the logits' product), and no fill: the blocks' phase counters are module globals the
-    dispatches leave zeroed. (They were two dispatches a layer before the layer block, five before
-    the attention and FFN blocks, six before the cache write moved into attention.)"""
+    three: the token's row of each interleaved plane gathered at its offsets, d's and qs's, then
+    dequantized; the final norm with the logits' product), and no fill: the blocks' phase counters
+    are module globals the dispatches leave zeroed. (They were two dispatches a layer before the
+    layer block, five before the attention and FFN blocks, six before the cache write moved into
+    attention.)"""
     decode = _decode_bs1_commands(kernel_module("q8_0")[0].with_suffix(".mlir"))
     ordinals = re.findall(r"@hal\.command_buffer\.dispatch\(%\w+, %\w+, %(\w+),", decode)
-    assert len(ordinals) == 2 + 8, f"decode_bs1 dispatches executables {ordinals}"
+    assert len(ordinals) == 2 + 10, f"decode_bs1 dispatches executables {ordinals}"
     assert "@hal.command_buffer.fill_buffer" not in decode
 
 
