@@ -170,8 +170,7 @@ def interleaved_rows(type_name: str, planes: dict, ids):
     """Rows `ids` (an int64 torch tensor) of a `type_name` matrix whose planes (torch tensors) are
     interleaved, in row order: each plane [*ids.shape, *plane.shape[1:]]. Each plane is one gather
     of those rows' elements at their offsets in interleave_planes' layout, so that a traced program
-    reads only them, rather than putting their whole groups of eight in row order (a few dozen
-    dispatches of an embedding lookup each decode step)."""
+    (an embedding lookup) reads and dequantizes only them, not their groups of eight."""
     import torch
 
     group, lane = ids // INTERLEAVED_ROWS, ids % INTERLEAVED_ROWS
@@ -195,8 +194,8 @@ def interleaved_rows(type_name: str, planes: dict, ids):
 def _place_fifth_bits(qh, inverse: bool):
     """Q5's qh plane [..., 4] (a numpy array or torch tensor of uint8) with each row's fifth bits
     placed by value (FIFTH_BIT_TYPES), or with `inverse` put back in value order: the 32 bits'
-    index (h, j, t) becomes (t, j, h). In torch, by constant multiplies, scalar shifts and a sum,
-    which the traced program lowers and IREE fuses (dequant._bits)."""
+    index (h, j, t) becomes (t, j, h). In torch, its bits by dequant._bits and packed by a
+    multiply and a sum, which the traced program lowers and IREE fuses."""
     lead = tuple(qh.shape[:-1])
     n = len(lead)
     order = (*range(n), n + 2, n + 1, n)
@@ -204,10 +203,11 @@ def _place_fifth_bits(qh, inverse: bool):
     if hasattr(qh, "permute"):
         import torch
 
-        bit = lambda values: torch.tensor(values, dtype=torch.uint8)  # noqa: E731
-        bits = (qh.unsqueeze(-1) * bit([1 << (7 - k) for k in range(8)])) >> 7  # bit k of each byte
+        from .dequant import _bits
+
+        bits = _bits(qh, 0, 1, 1).transpose(-1, -2)  # [..., 4 bytes, 8 bits]
         bits = bits.reshape(*lead, *groups).permute(*order).reshape(*lead, 4, 8)
-        return (bits * bit([1 << k for k in range(8)])).sum(-1, dtype=torch.uint8)
+        return (bits * torch.tensor([1 << k for k in range(8)], dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
     bits = np.stack([(qh >> k) & 1 for k in range(8)], axis=-1).reshape(*lead, *groups).transpose(order)
     bits = bits.reshape(*lead, 4, 8)
     packed = bits[..., 0]
