@@ -34,15 +34,20 @@ def smollm2_dataset(smollm2_gguf):
 
 @pytest.mark.parametrize("case", list(HOSTILE))
 def test_hostile_template_is_one_line_naming_the_file(smollm2_dataset, case):
-    import resource
+    import tracemalloc
 
     source, message = HOSTILE[case]
     smollm2_dataset.metadata["tokenizer"]["tokenizer.chat_template"] = source
     tokenizer = smollm2_dataset.tokenizer()
     t0 = time.perf_counter()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    with pytest.raises(SharkportError, match=message) as e:
-        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    # the rendering's own peak (the process's peak RSS would hide it below an earlier test's)
+    tracemalloc.start()
+    try:
+        with pytest.raises(SharkportError, match=message) as e:
+            tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
     assert time.perf_counter() - t0 < 30
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200 * 1024  # KiB: under 200 MiB more
+    assert peak < 200 * 2**20, peak
     assert str(e.value).startswith(f"{smollm2_dataset.path}: ") and "\n" not in str(e.value)
