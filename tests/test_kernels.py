@@ -287,18 +287,20 @@ def test_products_over_a_dynamic_row_count_equal_gguf_dequantization(isa, two_cp
 
 
 @pytest.mark.parametrize("mode", ["loads", "none"])
-@pytest.mark.parametrize("kind, n", [("Q4_1", 80), ("Q4_1", 83), ("Q8_0", 88), ("F16", 80)])
-def test_measuring_aid_products_are_zeros(kind, n, mode, two_cpus, monkeypatch, tmp_path):
+@pytest.mark.parametrize("kind, n, k", [("Q4_1", 80, 96), ("Q4_1", 83, 96), ("Q8_0", 88, 96), ("F16", 80, 96),
+                                         ("Q5_0", 80, 96), ("Q6_K", 88, 256), ("Q4_K", 83, 256)])
+def test_measuring_aid_products_are_zeros(kind, n, k, mode, two_cpus, monkeypatch, tmp_path):
     """$SHARKPORT_KERNEL_PRODUCTS=loads or none (tools/bench_bounds.py) builds kernels whose
-    products only read the weights, or read nothing, and give zeros, in an object of their own;
-    the same product without it is test_kernel_product_equals_gguf_dequantization's. Rows
-    interleaved (80, 88) and as stored (83)."""
+    products only read the weights (every plane: Q5's fifth bits, the K-quants' scales and high
+    bits), or read nothing, and give zeros, in an object of their own; the same product without it
+    is test_kernel_product_equals_gguf_dequantization's. Rows interleaved (80, 88) and as stored (83)."""
     monkeypatch.setenv(kernels.PRODUCTS_ENV, mode)
     assert f"-DSHARKPORT_PRODUCTS={kernels.PRODUCTS[mode]}" in kernels.cflags()
     rng = np.random.default_rng(n)
-    raw = quantize_array(rng.standard_normal((n, 96)).astype(np.float32), kind)
-    w = weight_from_raw(kind, (n, 96), raw)
-    got = _compile_and_run(_Linear(w), torch.from_numpy(rng.standard_normal((2, 96)).astype(np.float32)),
+    raw = (_random_blocks(kind, n, k, rng) if kind.endswith("_K")
+           else quantize_array(rng.standard_normal((n, k)).astype(np.float32), kind))
+    w = weight_from_raw(kind, (n, k), raw)
+    got = _compile_and_run(_Linear(w), torch.from_numpy(rng.standard_normal((2, k)).astype(np.float32)),
                            tmp_path=tmp_path)
     assert got.shape == (2, n) and not got.any()
 

@@ -1172,40 +1172,64 @@ INLINE __m256 swiglu8(__m256 g, __m256 u) {
 }
 
 #if SHARKPORT_PRODUCTS == 1
+// A row of w's bytes per 32 values in its planes besides qs (see sharkport.quant), in 1/256 bytes:
+// its scales d and offsets m (or K-quant mins, IQ4_XS's scales' top bits), high bits h, scales s.
+INLINE size_t d_bytes256(int kind) { return X_PER_256(kind) || IQ4_XS_KIND(kind) ? 64 : 512; }
+INLINE size_t h_bytes256(int kind) { return kind == Q6_K || kind == Q6_KX8 ? 2048 : 1024; }
+INLINE size_t s_bytes256(int kind) {
+  if (IQ4_XS_KIND(kind)) return 128;
+  return kind == Q6_K || kind == Q6_KX8 || kind == Q2_K || kind == Q2_KX8 ? 512 : 384;
+}
+
 // Rows [n, n + rows) of w's planes read (SHARKPORT_PRODUCTS 1) in the products' order, a block of
 // 32 values of the rows at a time: a byte of each line of its weights, fetched ahead where and as
 // the product for mc rows of x fetches them (PREFETCH bytes ahead, or in two steps), and a byte of
-// its scales (and offsets), fetched ahead as the Q4 x8 loops fetch them.
+// each line of its other planes, in step with the weights' (a plane's bytes up to block b's share)
+// and fetched as many blocks ahead (as PREFETCH_PLANES does). No divisions: this runs per group.
 NOINLINE void read_rows(int kind, const matrix *w, size_t n, size_t rows, size_t mc, size_t K) {
-  const int two_bits = kind == Q2_K || kind == Q3_K || K23_X8_KIND(kind);  // their low bits (Q3_K's hmask unread)
+  const int two_bits = kind == Q2_K || kind == Q3_K || K23_X8_KIND(kind);
   size_t B = K / 32, block = rows * (FLOAT_WEIGHTS(kind) ? 64 : kind == Q8_0 || kind == Q8_0X8 ? 32 : two_bits ? 8 : 16);
-  const uint8_t *qs = (const uint8_t *)w->qs + n * B * (block / rows);
-  // of the K-quants, only the values' low 4 or 2 bits (their scales are per 256 values)
-  const int per_block = !FLOAT_WEIGHTS(kind) && !X_PER_256(kind) && !IQ4_XS_KIND(kind);
-  const uint8_t *d = per_block ? (const uint8_t *)(w->d + n * B) : 0;
-  const uint8_t *m = per_block && w->m ? (const uint8_t *)(w->m + n * B) : 0;
-  const int q4_x8 = Q4_X8_KIND(kind);
+  struct plane {
+    const uint8_t *at;
+    size_t per_block, done, far, near;  // per_block in 1/256 bytes
+  } planes[5] = {{(const uint8_t *)w->qs + n * B * (block / rows), block << 8}};
+  size_t count = 1;
+#define PLANE(p, bytes256) \
+  if (p) planes[count++] = (struct plane){(const uint8_t *)(p) + ((n * B * (bytes256)) >> 8), rows * (bytes256)}
+  if (!FLOAT_WEIGHTS(kind)) {
+    PLANE(w->d, d_bytes256(kind));
+    PLANE(w->m, d_bytes256(kind));
+    PLANE(w->h, h_bytes256(kind));
+    PLANE(w->s, s_bytes256(kind));
+  }
+#undef PLANE
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
   const int ahead = kind == Q8_0X8 || FLOAT_WEIGHTS(kind) ? mc > 1 : kind != Q4_0 && kind != Q4_1;  // see q8_x8_zmm
-  const int two_steps = q4_x8 || IQ4_X8_KIND(kind) || kind == Q8_0X8 || FLOAT_WEIGHTS(kind);  // see FAR_AHEAD
+  const int two_steps = Q4_X8_KIND(kind) || IQ4_X8_KIND(kind) || kind == Q8_0X8 || FLOAT_WEIGHTS(kind);  // see FAR_AHEAD
 #else
   // F16: f16_pair fetches, f16_row (one row of x, or more than four) does not
   const int ahead = FLOAT_WEIGHTS(kind) ? F16_PAIR_ROWS(mc) : kind != Q4_0 && kind != Q4_1;
-  const int two_steps = q4_x8 || IQ4_X8_KIND(kind) || FLOAT_WEIGHTS(kind);
+  const int two_steps = Q4_X8_KIND(kind) || IQ4_X8_KIND(kind) || FLOAT_WEIGHTS(kind);
 #endif
-  uint8_t seen = 0;
-  for (size_t b = 0; b < B; ++b, qs += block) {
-    for (size_t i = 0; i < block; i += 64) {
-      if (ahead && two_steps)
-        PREFETCH_TWO_STEPS(qs + i);
-      else if (ahead)
-        PREFETCH_LINE(qs + i);
-      seen ^= qs[i];
-    }
-    if (q4_x8) PREFETCH_PLANES((const uint16_t *)d, (const uint16_t *)m, b);
-    if (d) seen ^= d[2 * rows * b];
-    if (m) seen ^= m[2 * rows * b];
+  const int scale = 8 + __builtin_ctzl(block);  // block: a power of two
+  for (size_t p = 0; p < count && ahead; ++p) {
+    planes[p].far = ((two_steps ? FAR_AHEAD : PREFETCH) * planes[p].per_block) >> scale;
+    planes[p].near = two_steps ? (NEAR_AHEAD * planes[p].per_block) >> scale : 0;
   }
+  uint8_t seen = 0;
+  for (size_t b = 0; b < B; ++b)
+    for (size_t p = 0; p < count; ++p) {
+      struct plane *q = &planes[p];
+      for (size_t end = (q->per_block * (b + 1)) >> 8; q->done < end; q->done += 64) {
+        const char *line = (const char *)q->at + q->done;
+        if (q->far && two_steps)
+          _mm_prefetch(line + q->far, _MM_HINT_T1);
+        else if (q->far)
+          _mm_prefetch(line + q->far, _MM_HINT_T0);
+        if (q->near) _mm_prefetch(line + q->near, _MM_HINT_T0);
+        seen ^= *line;
+      }
+    }
   __asm__ volatile("" ::"r"(seen));
 }
 #endif
