@@ -1171,9 +1171,14 @@ INLINE __m256 swiglu8(__m256 g, __m256 u) {
   return _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), u);
 }
 
-#if SHARKPORT_PRODUCTS == 1
-// A row of w's bytes per 32 values in its planes besides qs (see sharkport.quant), in 1/256 bytes:
-// its scales d and offsets m (or K-quant mins, IQ4_XS's scales' top bits), high bits h, scales s.
+// A row of w's bytes in each plane (see sharkport.quant): its values (their low bits) qs, of K
+// values; per 32 values, in 1/256 bytes, its scales d and offsets m (or K-quant mins, IQ4_XS's
+// scales' top bits), high bits h and scales s.
+INLINE size_t qs_row_bytes(int kind, size_t K) {
+  if (FLOAT_WEIGHTS(kind)) return 2 * K;
+  if (kind == Q8_0 || kind == Q8_0X8) return K;
+  return kind == Q2_K || kind == Q3_K || K23_X8_KIND(kind) ? K / 4 : K / 2;
+}
 INLINE size_t d_bytes256(int kind) { return X_PER_256(kind) || IQ4_XS_KIND(kind) ? 64 : 512; }
 INLINE size_t h_bytes256(int kind) { return kind == Q6_K || kind == Q6_KX8 ? 2048 : 1024; }
 INLINE size_t s_bytes256(int kind) {
@@ -1181,14 +1186,15 @@ INLINE size_t s_bytes256(int kind) {
   return kind == Q6_K || kind == Q6_KX8 || kind == Q2_K || kind == Q2_KX8 ? 512 : 384;
 }
 
+#if SHARKPORT_PRODUCTS == 1
+
 // Rows [n, n + rows) of w's planes read (SHARKPORT_PRODUCTS 1) in the products' order, a block of
 // 32 values of the rows at a time: a byte of each line of its weights, fetched ahead where and as
 // the product for mc rows of x fetches them (PREFETCH bytes ahead, or in two steps), and a byte of
 // each line of its other planes, in step with the weights' (a plane's bytes up to block b's share)
 // and fetched as many blocks ahead (as PREFETCH_PLANES does). No divisions: this runs per group.
 NOINLINE void read_rows(int kind, const matrix *w, size_t n, size_t rows, size_t mc, size_t K) {
-  const int two_bits = kind == Q2_K || kind == Q3_K || K23_X8_KIND(kind);
-  size_t B = K / 32, block = rows * (FLOAT_WEIGHTS(kind) ? 64 : kind == Q8_0 || kind == Q8_0X8 ? 32 : two_bits ? 8 : 16);
+  size_t B = K / 32, block = rows * qs_row_bytes(kind, 32);
   struct plane {
     const uint8_t *at;
     size_t per_block, done, far, near;  // per_block in 1/256 bytes
@@ -2203,7 +2209,7 @@ INLINE void some_rows(int kind, workspace *ws, const float *x, const matrix *w, 
   // (interleaved: the group's planes from n) IQ4_XS's d and its scales' top bits (m) per 256
   // values, their low bits (qh) 4 bytes per 256; Q5's fifth bits 4 bytes a block
   const size_t per_d = IQ4_XS_KIND(kind) ? K / 256 : B;
-  const uint8_t *qn = (const uint8_t *)w->qs + n * (kind == Q8_0 || kind == Q8_0X8 ? K : K / 2);
+  const uint8_t *qn = (const uint8_t *)w->qs + n * qs_row_bytes(kind, K);
   const uint16_t *d = w->d + n * per_d, *m = w->m ? w->m + n * per_d : 0;
   const uint8_t *qh = IQ4_XS_KIND(kind) ? w->s + n * (K / 64) : w->h ? w->h + n * B * 4 : 0;
   if (kind == Q8_0X8) {
@@ -3273,12 +3279,11 @@ typedef struct {
 // Rows [n, n + rows) of w [N, K] (n a multiple of 8 with interleaved rows): their values (the
 // low bits, for Q5 and the K-quants), scales and offsets (or dmin).
 INLINE upcoming weight_rows(int kind, const matrix *w, size_t n, size_t rows, size_t K) {
-  size_t B = X_PER_256(kind) || IQ4_XS_KIND(kind) ? K / 256 : K / 32;  // scales a row
-  size_t row = FLOAT_WEIGHTS(kind) ? 2 * K : kind == Q8_0 || kind == Q8_0X8 ? K : K23_X8_KIND(kind) ? K / 4 : K / 2;
+  size_t row = qs_row_bytes(kind, K), scales = (K / 32 * d_bytes256(kind)) >> 8;  // a row's bytes
   upcoming u = {{0}, {0}};
   u.at[0] = (const char *)w->qs + n * row, u.bytes[0] = rows * row;
-  if (!FLOAT_WEIGHTS(kind)) u.at[1] = (const char *)(w->d + n * B), u.bytes[1] = rows * B * 2;
-  if (w->m) u.at[2] = (const char *)(w->m + n * B), u.bytes[2] = rows * B * 2;
+  if (!FLOAT_WEIGHTS(kind)) u.at[1] = (const char *)w->d + n * scales, u.bytes[1] = rows * scales;
+  if (w->m) u.at[2] = (const char *)w->m + n * scales, u.bytes[2] = rows * scales;
   return u;
 }
 
