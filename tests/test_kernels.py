@@ -704,6 +704,21 @@ def test_attention_workgroups_leave_one_for_each_cpu(batch, kv_heads, gd, cpus, 
     assert kernels.kv_heads_per_workgroup(batch, kv_heads, gd) == want
 
 
+@pytest.mark.parametrize("batch, kv_heads, gd, cpus, want, splits", [
+    (1, 3, 192, 2, 3, 2),  # SmolLM2 decode bs1 on 2 CPUs: all 3 kv heads, the pages in two parts
+    (1, 3, 192, 8, 1, 2),  # on 8 CPUs: 3 items in 6 parts, where one item would give 4
+    (1, 2, 448, 2, 2, 2),  # Qwen2.5-0.5B's shapes at bs1
+    (1, 8, 384, 2, 4, 1),  # Llama-3.2-3B's: 8 kv heads of 384 values a group, 4 fill MAX_GD
+    (4, 3, 192, 8, 3, 2),  # bs4 on 8 CPUs: a sequence an item, each in two parts
+    (1, 1, 1024, 2, 1, 2)])  # Gemma-3-270M's one kv head
+def test_block_attention_items_read_whole_pages_where_as_even(batch, kv_heads, gd, cpus, want, splits, monkeypatch):
+    """A block's attention items take the most kv heads that share the work as evenly among the
+    workgroups as fewer do once split by pages (so each part reads its pages' rows whole)."""
+    monkeypatch.setattr(kernels.layout, "cpus", lambda: cpus)
+    assert kernels.block_kv_heads_per_workgroup(batch, kv_heads, gd) == want
+    assert kernels.layout.attention_splits(batch * kv_heads // want, cpus) == splits
+
+
 class _PrefillAttention(torch.nn.Module):
     def __init__(self, scale, window=0):
         super().__init__()
@@ -1198,6 +1213,26 @@ def test_attention_items_split_among_more_workgroups_than_items(kernel_module, m
         got = _decode_logits(split, tmp_path, f"split{workers}", f"--task_topology_group_count={workers}")
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=f"{workers} workers")
     _eager_decodes_as_compiled(*split)
+
+
+def test_block_attention_items_of_every_kv_head_split_by_pages(tiny, monkeypatch, tmp_path):
+    """The tiny llama with 4 kv heads (Q4_1) exported for 2 CPUs: a block's attention at batch 1 is
+    one item of all 4 kv heads whose pages are split in two (kernels.block_kv_heads_per_workgroup),
+    where the export without blocks has an attention dispatch of 2 workgroups of 2 kv heads each; the
+    logits agree to float32 rounding, over one page and two, on 2 IREE workers and on 1."""
+    monkeypatch.setattr(kernels.layout, "cpus", lambda: 2)
+    irpa, gguf_path = tmp_path / "q.irpa", tmp_path / "q.gguf"
+    run("sharkport.tools.quantize", "--gguf-file", str(tiny["mha-tied"].gguf_path), "--type", "q4_1",
+        "--output-irpa", str(irpa), "--output-gguf", str(gguf_path))
+    blocks = _export_without([], irpa, tmp_path, "blocks", monkeypatch)
+    assert re.search(r"sharkport_layer_block_\w+_m1_\w+_w4_\w+_p2_wg2", blocks[0].with_suffix(".mlir").read_text())
+    products = _export_without(["layer_block", "attention_block", "ffn_block"], irpa, tmp_path, "products",
+                               monkeypatch)
+    assert re.search(r"sharkport_decode_attention\w*_w2", products[0].with_suffix(".mlir").read_text())
+    want = _decode_logits(products, tmp_path, "products")
+    for workers in (2, 1):
+        got = _decode_logits(blocks, tmp_path, f"blocks{workers}", f"--task_topology_group_count={workers}")
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=f"{workers} workers")
 
 
 def test_layer_block_run_eagerly_decodes_as_compiled(kernel_module):

@@ -40,13 +40,14 @@ from .build import (AVX512_FEATURES, CFLAGS, ISA_ENV, ISA_FLAGS, PRODUCTS, PRODU
                     referenced_by)
 from .layout import (BLOCK_CHUNK_ROWS, BLOCK_KINDS, FLOAT_KINDS, INTERLEAVED, MAX_GD, MAX_K, MAX_NORMED, MAX_ROWS, MAX_STRIDE,
                      MIXED_KINDS, MIXED_LAYER_PLANES, MIXED_SLOTS, PLANES, PREFILL_MAX_D, PREFILL_MAX_GD, SIZES, STORED, X_PER_256,
-                     block_counters, cpus, kv_heads_per_workgroup, quantized_x, workgroups, x_on_stack)
+                     block_counters, block_kv_heads_per_workgroup, cpus, kv_heads_per_workgroup, quantized_x, workgroups,
+                     x_on_stack)
 
 __all__ = ["AVX512_FEATURES", "BLOCK_CHUNK_ROWS", "BLOCK_KINDS", "CFLAGS", "FLOAT_KINDS", "INTERLEAVED", "ISA_ENV", "ISA_FLAGS",
            "MAX_GD", "MAX_K", "MAX_NORMED", "MAX_ROWS", "MAX_STRIDE", "PLANES", "PREFILL_MAX_D", "PREFILL_MAX_GD",
            "PRODUCTS", "PRODUCTS_ENV", "SIZES", "SOURCE", "STORED", "X_PER_256", "attention_block", "available",
-           "block_counters", "cache_dir", "cflags", "compile_flags_for", "cpus", "decode_attention", "decode_indices",
-           "decode_rows", "ffn_block", "isa", "kernel_type",
+           "block_counters", "block_kv_heads_per_workgroup", "cache_dir", "cflags", "compile_flags_for", "cpus",
+           "decode_attention", "decode_indices", "decode_rows", "ffn_block", "isa", "kernel_type",
            "kv_heads_per_workgroup", "layer_block", "matvec", "matvec_qkv", "object_name", "object_path",
            "objects_named_by", "prefill_attention", "products", "quantized_x", "referenced_by", "swiglu", "workgroups"]
 
@@ -179,9 +180,11 @@ def decode_attention(q, k, v, cache_state, cache, layer, page_ids, start_positio
     return out.view(B, 1, H, D)
 
 
-def _attention_shape(B, S, H, D, dtype, cache_state, cache, rope, rope_layout, scale, window, logit_cap):
+def _attention_shape(B, S, H, D, dtype, cache_state, cache, rope, rope_layout, scale, window, logit_cap,
+                     block=False):
     """The kernels.ops.AttentionShape of decode attention of B sequences' S query positions of H
-    heads of D, or None where the kernel does not apply (see decode_attention)."""
+    heads of D (in a block: its items split by pages), or None where the kernel does not apply (see
+    decode_attention)."""
     import torch
 
     element = {torch.float32: "f32", torch.float16: "f16"}.get(cache_state.dtype)  # of the kernels' cache
@@ -192,9 +195,10 @@ def _attention_shape(B, S, H, D, dtype, cache_state, cache, rope, rope_layout, s
         return None
     from .ops import AttentionShape
 
+    per_workgroup = block_kv_heads_per_workgroup if block else kv_heads_per_workgroup
     return AttentionShape(H, cache.kv_heads, D, cache.block_count, cache.stride,
                           D ** -0.5 if scale is None else float(scale), rope_dim, rope_layout, element,
-                          kv_heads_per_workgroup(B, cache.kv_heads, G * D), int(window))
+                          per_workgroup(B, cache.kv_heads, G * D), int(window))
 
 
 def _layer_operand(layer, cache):
@@ -293,7 +297,7 @@ def _attention_dispatch(h, norm, weights, ffn, cache_state, cache, layer, page_i
         return None
     M, E = rows.shape
     shape = _attention_shape(M, 1, heads, head_dim, rows.dtype, cache_state, cache, rope, rope_layout, scale, window,
-                             logit_cap)
+                             logit_cap, block=True)
     kv = cache.kv_heads * head_dim
     matrices, shapes = list(weights), [(heads * head_dim, E), (kv, E), (kv, E), (E, heads * head_dim)]
     if ffn is not None:

@@ -5,6 +5,7 @@ dispatch is split into (one for each CPU the exporting process may run on)."""
 from __future__ import annotations
 
 import os
+from fractions import Fraction
 
 from ..quant import ROW_INTERLEAVED_TYPES
 
@@ -115,8 +116,12 @@ def kv_heads_per_workgroup(batch: int, kv_heads: int, gd: int) -> int:
     heads) and its neighbours the rest, fetching lines the others also fetch
     (tools/attention_harness.c times the two). With fewer sequences than CPUs, more workgroups
     share each sequence (batch 1: one per kv head)."""
-    fits = [w for w in range(1, kv_heads + 1) if kv_heads % w == 0 and w * gd <= MAX_GD]
-    return max([w for w in fits if batch * (kv_heads // w) >= cpus()], default=1)
+    return max([w for w in _kv_head_groups(kv_heads, gd) if batch * (kv_heads // w) >= cpus()], default=1)
+
+
+def _kv_head_groups(kv_heads: int, gd: int) -> list[int]:
+    """The kv heads a workgroup may take: the divisors of kv_heads whose query heads fit MAX_GD."""
+    return [w for w in range(1, kv_heads + 1) if kv_heads % w == 0 and w * gd <= MAX_GD]
 
 
 # parts of its positions a block's decode attention item is split into at most (matvec.c's MAX_SPLITS)
@@ -126,9 +131,27 @@ MAX_ATTENTION_SPLITS = 4
 def attention_splits(items: int, workgroups: int) -> int:
     """How many parts of its pages each of a block's `items` decode attention items (sequences
     times kv-head groups) is split into: the fewest, up to MAX_ATTENTION_SPLITS, that share the
-    items' work most evenly among the workgroups, each workgroup then merging the parts (SmolLM2 at
-    batch 1: 3 items on 2 CPUs, one of them idle for an item a layer, become 6)."""
-    return min(range(1, MAX_ATTENTION_SPLITS + 1), key=lambda s: (-(-items * s // workgroups) / s, s))
+    items' work most evenly among the workgroups, each workgroup then merging the parts (batch 1 on
+    2 CPUs: one item becomes 2)."""
+    return min(range(1, MAX_ATTENTION_SPLITS + 1), key=lambda s: (_busiest(items, s, workgroups), s))
+
+
+def _busiest(items: int, splits: int, workgroups: int) -> Fraction:
+    """The share of the attention's work the busiest of `workgroups` takes when each of `items`
+    equal items is split into `splits` parts."""
+    return Fraction(-(-items * splits // workgroups), items * splits)
+
+
+def block_kv_heads_per_workgroup(batch: int, kv_heads: int, gd: int) -> int:
+    """kv_heads_per_workgroup for a block's attention, whose items are split by pages among the
+    workgroups (attention_splits): the most kv heads an item that share the work as evenly as any
+    fewer do, so that a part reads its pages whole (SmolLM2 at batch 1 on 2 CPUs: one item of all 3
+    kv heads in two parts, rather than 3 items in six parts each reading a third of every row)."""
+    def busiest(w: int) -> Fraction:
+        items = batch * (kv_heads // w)
+        return _busiest(items, attention_splits(items, workgroups()), workgroups())
+
+    return min(_kv_head_groups(kv_heads, gd), key=lambda w: (busiest(w), -w))
 
 
 def block_counters(phases: int) -> int:
