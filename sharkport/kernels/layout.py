@@ -115,7 +115,8 @@ def kv_heads_per_workgroup(batch: int, kv_heads: int, gd: int) -> int:
     whole, where one (sequence, kv head) a workgroup reads a third of each row (SmolLM2: 3 kv
     heads) and its neighbours the rest, fetching lines the others also fetch
     (tools/attention_harness.c times the two). With fewer sequences than CPUs, more workgroups
-    share each sequence (batch 1: one per kv head)."""
+    share each sequence (batch 1: one per kv head). A block's attention, split by pages, takes
+    block_kv_heads_per_workgroup instead."""
     return max([w for w in _kv_head_groups(kv_heads, gd) if batch * (kv_heads // w) >= cpus()], default=1)
 
 
