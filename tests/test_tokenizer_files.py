@@ -208,16 +208,19 @@ def _spm_gguf(path):
     return path
 
 
-def test_export_cli_refuses_first(tmp_path):
-    """--output-tokenizer-dir is handled before the slow export: a vocabulary tokenizer.json
-    cannot express fails at once with one line and leaves nothing behind."""
+@pytest.mark.parametrize("kernels", [[], ["--matvec-kernels"]], ids=["default", "kernels"])
+def test_export_cli_refuses_first(tmp_path, kernels):
+    """--output-tokenizer-dir is handled before the slow work: a vocabulary tokenizer.json cannot
+    express fails at once with one line and leaves nothing behind, before the kernels' object is
+    built (an empty cache, as on a new machine) or the export starts."""
     gguf = _spm_gguf(tmp_path / "spm.gguf")
     out = tmp_path / "out"
     proc = run("sharkport.export", "--gguf-file", str(gguf), "--output-mlir", str(out / "x.mlir"),
-               "--output-config", str(out / "x.json"), "--output-tokenizer-dir", str(out / "tok"), check_rc=2)
+               "--output-config", str(out / "x.json"), "--output-tokenizer-dir", str(out / "tok"), *kernels,
+               check_rc=2, env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "SentencePiece" in lines[0], proc.stderr
-    assert not out.exists()
+    assert not out.exists() and not (tmp_path / "cache").exists()
 
 
 def test_export_cli_writes_tokenizer_beside_the_module(tmp_path):

@@ -55,19 +55,19 @@ def export_files(source: Path, output_mlir: Path, output_config: Path, output_vm
 
     from ..kernels import object_path
 
+    dataset = Dataset.load(source)
+    if output_tokenizer_dir:  # first: it is quick and fails before the slow work (kernels, sharding, export)
+        from ..tokenizer import write_hf_tokenizer
+
+        written = write_hf_tokenizer(dataset.tokenizer(), output_tokenizer_dir)
+        log(f"wrote {' and '.join(str(p) for p in written)}")
     if matvec_kernels:  # builds the kernels' object now: a missing C compiler fails before the export
         object_path(log)
-    dataset = Dataset.load(source)
     sharded = open_or_shard(dataset, tensor_parallelism_size, output_irpa, log)  # None: unsharded
     if matvec_kernels is None:
         matvec_kernels = kernels_apply(target, sharded is None)
         if matvec_kernels:
             object_path(log)
-    if output_tokenizer_dir:  # first: it is quick and fails before the slow export does
-        from ..tokenizer import write_hf_tokenizer
-
-        written = write_hf_tokenizer(dataset.tokenizer(), output_tokenizer_dir)
-        log(f"wrote {' and '.join(str(p) for p in written)}")
     stride = block_seq_stride
     if max_seq_len is None:
         max_seq_len = LlamaHParams.from_metadata(dataset.hparams).context_length // stride * stride
