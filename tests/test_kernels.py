@@ -59,6 +59,28 @@ class _Linear(torch.nn.Module):
         return KernelLinear(Linear(self.weight()))(x)
 
 
+class _Side(torch.nn.Module):
+    """Several modules side by side on the same inputs, their outputs concatenated: one module
+    (one compile) for several kernels."""
+
+    def __init__(self, modules):
+        super().__init__()
+        self.parts = torch.nn.ModuleList(modules)
+
+    def forward(self, *inputs):
+        return torch.cat([part(*inputs) for part in self.parts], dim=-1)
+
+
+class _Products(_Side):
+    """x times each of several weights through the export's kernel products, concatenated."""
+
+    def __init__(self, weights):
+        super().__init__([_Linear(w) for w in weights])
+
+    def forward(self, x):  # named, for dynamic_shapes={"x": ...}
+        return super().forward(x)
+
+
 @pytest.fixture
 def two_cpus(monkeypatch):
     """Products split into workgroups as for 2 CPUs (kernels.workgroups), whatever the machine."""
@@ -79,7 +101,7 @@ def _export(module, *inputs, path, dynamic_shapes=None):
     text."""
     from iree.turbine import aot
 
-    exported = aot.export(module, args=inputs, dynamic_shapes=dynamic_shapes)
+    exported = aot.export(module, args=inputs, dynamic_shapes=dynamic_shapes, strict_export=False)  # as the exporter traces
     exported.save_mlir(path)
     assert kernels.referenced_by(path), "the product was not routed through a kernel"
     return path.read_text()
@@ -130,25 +152,25 @@ def _dense(kind: str, raw: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("rows, n, k", [(1, 80, 96), (3, 83, 96), (4, 88, 160),
                                         pytest.param(2, 2104, 128, marks=pytest.mark.extended), (8, 2100, 64)])
-@pytest.mark.parametrize("kind", KINDS)
-def test_kernel_product_equals_gguf_dequantization(kind, rows, n, k, isa, two_cpus, tmp_path):
-    """On 2 CPUs, 80, 83 or 88 outputs: 3 workgroups of 32; 2104 and 2100: 9 workgroups of 256;
-    the last partial. Quantized weights of 80, 88 and 2104 rows go interleaved eight rows at a time,
-    those of 83 and 2100 one row at a time. Rows of 3 or 5 blocks (pairs and an odd one), 4 or 2;
-    at one row of x, float16 rows of 96 values end in half of the kernel's step of 64. The first block of
-    each row of x is ties: half-integers under a max of 127 (scale 1), so rounding half to even,
-    not gguf's half away from zero, would move the product by whole weights."""
+def test_kernel_product_equals_gguf_dequantization(rows, n, k, isa, two_cpus, tmp_path):
+    """Each of KINDS (one module, a product of each). On 2 CPUs, 80, 83 or 88 outputs: 3
+    workgroups of 32; 2104 and 2100: 9 workgroups of 256; the last partial. Quantized weights of
+    80, 88 and 2104 rows go interleaved eight rows at a time, those of 83 and 2100 one row at a
+    time. Rows of 3 or 5 blocks (pairs and an odd one), 4 or 2; at one row of x, float16 rows of
+    96 values end in half of the kernel's step of 64. The first block of each row of x is ties:
+    half-integers under a max of 127 (scale 1), so rounding half to even, not gguf's half away
+    from zero, would move the product by whole weights."""
     rng = np.random.default_rng(rows)
-    raw = quantize_array(rng.standard_normal((n, k)).astype(np.float32), kind)
-    w = weight_from_raw(kind, (n, k), raw)
-    dense = _dense(kind, raw)
+    raws = [quantize_array(rng.standard_normal((n, k)).astype(np.float32), kind) for kind in KINDS]
     x = rng.standard_normal((rows, k)).astype(np.float32)
     x[:, :32] = rng.integers(-127, 127, (rows, 32)) + 0.5
     x[:, 0] = 127
     x = torch.from_numpy(x)
-    got = _compile_and_run(_Linear(w), x, tmp_path=tmp_path)
-    want = _x_seen(kind, x.numpy()).astype(np.float64) @ dense.T
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    weights = [weight_from_raw(kind, (n, k), raw) for kind, raw in zip(KINDS, raws)]
+    got = _compile_and_run(_Products(weights), x, tmp_path=tmp_path)
+    for kind, raw, part in zip(KINDS, raws, np.split(got, len(KINDS), axis=1)):
+        want = _x_seen(kind, x.numpy()).astype(np.float64) @ _dense(kind, raw).T
+        np.testing.assert_allclose(part, want, rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=kind)
 
 
 def _random_blocks(kind: str, n: int, k: int, rng) -> np.ndarray:
@@ -166,18 +188,6 @@ def _random_blocks(kind: str, n: int, k: int, rng) -> np.ndarray:
             size = 10.0 ** rng.uniform(-5, 0, blocks.shape)
             blocks[field] = (size * rng.choice([-1, 1], blocks.shape)).astype(np.float16)
     return raw
-
-
-class _Products(torch.nn.Module):
-    """x times each of several weights through the export's kernel products, concatenated: one
-    module (one compile) for several kernels."""
-
-    def __init__(self, weights):
-        super().__init__()
-        self.parts = torch.nn.ModuleList(_Linear(w) for w in weights)
-
-    def forward(self, x):
-        return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
 ROW_KINDS = ["Q5_0", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "Q5_1", "IQ4_NL", "IQ4_XS"]
@@ -335,21 +345,22 @@ class _Fused(torch.nn.Module):
 
 @pytest.mark.parametrize("form, sizes", [("qkv", [80, 42, 26]), ("qkv", [80, 48, 24]), ("swiglu", [83, 83]),
                                          ("swiglu", [88, 88])])
-@pytest.mark.parametrize("kind", KINDS)
-def test_fused_products_equal_gguf_dequantization(kind, form, sizes, isa, two_cpus, tmp_path):
+def test_fused_products_equal_gguf_dequantization(form, sizes, isa, two_cpus, tmp_path):
     """One dispatch for q, k, v of 80, 42 and 26 outputs (on 2 CPUs, workgroups of 64 span two
-    matrices), or for silu(x gate^T) * (x up^T). Quantized matrices whose rows are all a multiple
-    of 8 go interleaved (80, 48, 24; 88), the others one row at a time."""
+    matrices), or for silu(x gate^T) * (x up^T), of each of KINDS (one module). Quantized matrices
+    whose rows are all a multiple of 8 go interleaved (80, 48, 24; 88), the others one row at a
+    time."""
     rng = np.random.default_rng(7)
     k = 96
-    raws = [quantize_array(rng.standard_normal((n, k)).astype(np.float32), kind) for n in sizes]
-    weights = [weight_from_raw(kind, (n, k), r) for n, r in zip(sizes, raws)]
-    dense = [_dense(kind, r) for r in raws]
+    raws = {kind: [quantize_array(rng.standard_normal((n, k)).astype(np.float32), kind) for n in sizes]
+            for kind in KINDS}
     x = torch.from_numpy(rng.standard_normal((2, k)).astype(np.float32))
-    got = _compile_and_run(_Fused(form, weights), x, tmp_path=tmp_path)
-    ys = [_x_seen(kind, x.numpy()).astype(np.float64) @ d.T for d in dense]
-    want = np.concatenate(ys, axis=1) if form == "qkv" else ys[0] / (1 + np.exp(-ys[0])) * ys[1]
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    fused = [_Fused(form, [weight_from_raw(kind, (n, k), r) for n, r in zip(sizes, raws[kind])]) for kind in KINDS]
+    got = _compile_and_run(_Side(fused), x, tmp_path=tmp_path)
+    for kind, part in zip(KINDS, np.split(got, len(KINDS), axis=1)):
+        ys = [_x_seen(kind, x.numpy()).astype(np.float64) @ _dense(kind, r).T for r in raws[kind]]
+        want = np.concatenate(ys, axis=1) if form == "qkv" else ys[0] / (1 + np.exp(-ys[0])) * ys[1]
+        np.testing.assert_allclose(part, want, rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=kind)
 
 
 class _NormResidual(torch.nn.Module):
@@ -379,28 +390,30 @@ class _NormResidual(torch.nn.Module):
 
 @pytest.mark.parametrize("form, sizes", [("matvec_norm", [83]), ("qkv_norm", [80, 42, 26]),
                                          ("swiglu_norm", [88, 88]), ("matvec_add", [88])])
-@pytest.mark.parametrize("kind", KINDS)
-def test_products_normalize_x_and_add_the_residual(kind, form, sizes, isa, two_cpus, tmp_path):
+def test_products_normalize_x_and_add_the_residual(form, sizes, isa, two_cpus, tmp_path):
     """A decode layer's RMSNorms and residual adds inside its products' dispatches (the export's
-    kernel modules): x normalized as transformers' LlamaRMSNorm does (then, for quantized weights,
-    quantized to Q8_0), times the matrices (gguf's dequantization), plus the residual. Three rows
-    of x, one of them small enough that eps counts; matrices of 88 and 80, 48, 24 rows interleaved,
-    83 and 42 one row at a time."""
+    kernel modules), for each of KINDS (one module): x normalized as transformers' LlamaRMSNorm
+    does (then, for quantized weights, quantized to Q8_0), times the matrices (gguf's
+    dequantization), plus the residual. Three rows of x, one of them small enough that eps counts;
+    matrices of 88 and 80, 48, 24 rows interleaved, 83 and 42 one row at a time."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     rng = np.random.default_rng(len(sizes))
     k, eps = 96, 1e-5
-    raws = [quantize_array(rng.standard_normal((n, k)).astype(np.float32), kind) for n in sizes]
-    weights = [weight_from_raw(kind, (n, k), r) for n, r in zip(sizes, raws)]
-    dense = [_dense(kind, r) for r in raws]
+    raws = {kind: [quantize_array(rng.standard_normal((n, k)).astype(np.float32), kind) for n in sizes]
+            for kind in KINDS}
     g = torch.from_numpy(rng.uniform(0.5, 1.5, k).astype(np.float32))
     x = rng.standard_normal((3, k)).astype(np.float32) * 3
     x[1] *= 1e-3  # mean square about 1e-5
     x = torch.from_numpy(x)
     inputs = (x, torch.from_numpy(rng.standard_normal((3, sizes[0])).astype(np.float32))) if form == "matvec_add" else (x,)
-    got = _compile_and_run(_NormResidual(form, weights, g, eps), *inputs, tmp_path=tmp_path,
-                           kernel=f"sharkport_matvec_{form.removeprefix('matvec_')}_{kind.lower()}"
-                                  f"{'x8' if kind not in kernels.FLOAT_KINDS and all(n % 8 == 0 for n in sizes) else ''}")
+    modules = [_NormResidual(form, [weight_from_raw(kind, (n, k), r) for n, r in zip(sizes, raws[kind])], g, eps)
+               for kind in KINDS]
+    interleaved = all(n % 8 == 0 for n in sizes)
+    got = _compile_and_run(_Side(modules), *inputs, tmp_path=tmp_path,
+                           kernel=tuple(f"sharkport_matvec_{form.removeprefix('matvec_')}_{kind.lower()}"
+                                        f"{'x8' if kind not in kernels.FLOAT_KINDS and interleaved else ''}"
+                                        for kind in KINDS))
     if form == "matvec_add":
         x_normed = x.numpy()
     else:
@@ -408,11 +421,12 @@ def test_products_normalize_x_and_add_the_residual(kind, form, sizes, isa, two_c
         with torch.no_grad():
             reference.weight.copy_(g)
             x_normed = reference(x).numpy()
-    ys = [_x_seen(kind, x_normed).astype(np.float64) @ d.T for d in dense]
-    want = ys[0] / (1 + np.exp(-ys[0])) * ys[1] if form == "swiglu_norm" else np.concatenate(ys, axis=1)
-    if form == "matvec_add":
-        want = want + inputs[1].numpy()
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    for kind, part in zip(KINDS, np.split(got, len(KINDS), axis=1)):
+        ys = [_x_seen(kind, x_normed).astype(np.float64) @ _dense(kind, r).T for r in raws[kind]]
+        want = ys[0] / (1 + np.exp(-ys[0])) * ys[1] if form == "swiglu_norm" else np.concatenate(ys, axis=1)
+        if form == "matvec_add":
+            want = want + inputs[1].numpy()
+        np.testing.assert_allclose(part, want, rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=kind)
 
 
 class _NormedProducts(torch.nn.Module):
