@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from real_models import compiled_module, hf_from_gguf
+from real_models import compiled_module, hf_from_gguf, made_once, shared_folder
 from sharkport.packaged import packaged_gguf
 from tiny_models import TINY_EXPORT, TinyModels, exact_cache
 
@@ -83,10 +83,14 @@ def gemma3_gguf():
 
 @pytest.fixture(scope="session")
 def smollm2_irpa(smollm2_gguf, tmp_path_factory):
+    """SmolLM2's archive, in a folder the run's workers share: made once per run, as the modules
+    compiled_module makes beside it."""
     from sharkport.archive import import_gguf
 
-    path = tmp_path_factory.mktemp("smollm2") / "smollm2.irpa"
-    import_gguf(smollm2_gguf, path, progress=False)
+    path = shared_folder(tmp_path_factory, "smollm2") / "smollm2.irpa"
+    with made_once(path):
+        if not path.exists():  # import_gguf writes it whole or not at all
+            import_gguf(smollm2_gguf, path, progress=False)
     return path
 
 
