@@ -5,16 +5,16 @@ memory: what bounds decode's products on this machine.
     python tools/bench_kernels.py [--types q4_1,q8_0,f16] [--model smollm2|llama3-3b] [--markdown out.md]
 
 Builds tools/matvec_harness.c with the kernels' object, the one exports link (kernels.object_path():
-AVX-512 where this machine has it), and times a model's feed-forward products (SmolLM2's gate/up
-1536x576 and down 576x1536, or Llama-3.2-3B's 8192x3072 and 3072x8192, whose rows are whole
-256-value super-blocks for the K-quants) at 1 and 4 rows of x, on 1 and 2 threads (each product's
-workgroups shared among the threads as IREE's workers share them, with a barrier after each
-product): once with one copy of the weights (it stays in the caches), once with enough copies to
-pass the L3 (read from memory). A product that runs as fast from memory as from the caches is bound
-by its arithmetic; one much faster in the caches is bound by memory. The machine's read bandwidth
-(tools/read_bandwidth.c) is printed alongside, and how many of the kernels' vector operations a
-core completes per ns (tools/vector_ops.c: one thread, then one per CPU at once), the arithmetic
-ceiling a product bound by its arithmetic is measured against.
+AVX-512 where this machine has it), and times a model's products (SmolLM2's feed-forward gate/up
+1536x576 and down 576x1536 and its smallest, the attention output 576x576; or Llama-3.2-3B's
+8192x3072 and 3072x8192, whose rows are whole 256-value super-blocks for the K-quants) at 1 and 4
+rows of x, on 1 and 2 threads (each product's workgroups shared among the threads as IREE's workers
+share them, with a barrier after each product): once with one copy of the weights (it stays in the
+caches), once with enough copies to pass the L3 (read from memory). A product that runs as fast from
+memory as from the caches is bound by its arithmetic; one much faster in the caches is bound by
+memory. The machine's read bandwidth (tools/read_bandwidth.c) is printed alongside, and how many of
+the kernels' vector operations a core completes per ns (tools/vector_ops.c: one thread, then one per
+CPU at once), the arithmetic ceiling a product bound by its arithmetic is measured against.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ sys.path.insert(0, str(TOOLS.parent))
 
 from sharkport.kernels import object_path  # noqa: E402
 
-SHAPES = {"smollm2": {"gate/up 1536x576": (1536, 576), "down 576x1536": (576, 1536)},
+SHAPES = {"smollm2": {"gate/up 1536x576": (1536, 576), "down 576x1536": (576, 1536), "o 576x576": (576, 576)},
           "llama3-3b": {"gate/up 8192x3072": (8192, 3072), "down 3072x8192": (3072, 8192)}}
 # q4_1, q8_0, q5_0, q4_k, q6_k: rows interleaved as exported modules read them; -stored: as stored
 # (see the harness)
