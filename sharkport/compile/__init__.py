@@ -18,10 +18,14 @@ from dataclasses import dataclass
 from ..errors import SharkportError
 from ..fileio import atomic_output
 
+# IREE's discrete memory model gathers the weights into one buffer as the module loads, so a
+# dispatch binds that buffer once rather than a buffer for each weight plane (28 for a SmolLM2
+# layer): IREE records every call's command buffer anew, a cost per binding (docs/performance.md).
 _LLVM_CPU_HOST = (
     "--iree-hal-target-device=local",
     "--iree-hal-local-target-device-backends=llvm-cpu",
     "--iree-llvmcpu-target-cpu=host",
+    "--iree-stream-resource-memory-model=discrete",
 )
 CPU_TARGETS: dict[str, tuple[str, ...]] = {
     # Fast on CPU: weights are dequantized (or widened from f16) and packed for the matmul

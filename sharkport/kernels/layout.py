@@ -56,11 +56,12 @@ MIXED_KINDS = ("Q8_0X8", "Q4_0X8", "Q4_1X8", "Q5_0X8", "Q5_1X8", "Q4_KX8", "Q5_K
                "IQ4_NLX8", "IQ4_XSX8", "F16", "BF16")
 MIXED_SLOTS = 5
 # A dispatch takes at most 32 buffers in IREE 3.9 (a command buffer's bindings; one buffer bound
-# twice counts once). Each weight plane of a decode block is a buffer of its own (the block's
-# function takes them as arguments), and the layer block's other operands are 7 more (the norms'
-# weights, the layer's constant, the cache, the counters, and one transient buffer holding x, y,
-# the page ids, positions, lengths and rotary), so a mixed layer of up to these planes is one
-# dispatch (one buffer to spare); of more (Q4_K_M's K-quant layers: 28 or 29), a dispatch a product.
+# twice counts once). Compiled without the discrete memory model (sharkport.compile's CPU presets
+# have it), each weight plane of a decode block is a buffer of its own (the block's function takes
+# them as arguments), and the layer block's other operands are 7 more (the norms' weights, the
+# layer's constant, the cache, the counters, and one transient buffer holding x, y, the page ids,
+# positions, lengths and rotary), so a mixed layer of up to these planes is one dispatch (one
+# buffer to spare); of more (Q4_K_M's K-quant layers: 28 or 29), a dispatch a product.
 MIXED_LAYER_PLANES = 24
 # elements of each buffer the C function receives (x, the planes, y), as products of M, N and K
 # over a divisor (times a factor): x is M*K floats, Q8_0's qs N*K bytes, a block scale plane

@@ -3546,6 +3546,18 @@ NOINLINE void swiglu_phase_of(int kind, const float *x, const float *g, float ep
 
 // A matrix of `n` rows of weight type `kind` from its planes in kernels.PLANES order (as the MAT_
 // macros take them).
+// The bytes of an element of plane j of a matrix of `kind` (layout.PLANES' order; a slot past
+// its planes repeats plane 0): float16 scales (d; Q4_1's and Q5_1's m, the K-quants' dmin, IQ4_XS's
+// scales_h) and F16's and BF16's weights take two, every other plane one.
+INLINE size_t plane_bytes(int kind, int j) {
+  if (kind == F16 || kind == BF16 || j == 1) return 2;
+  if (j == 2)
+    return kind == Q4_1X8 || kind == Q5_1X8 || kind == Q4_KX8 || kind == Q5_KX8 || kind == Q2_KX8 || kind == IQ4_XSX8
+               ? 2
+               : 1;
+  return 1;
+}
+
 INLINE matrix slot_matrix(int kind, const uint8_t *p0, const uint8_t *p1, const uint8_t *p2, const uint8_t *p3,
                           const uint8_t *p4, size_t n) {
   const uint16_t *d = (const uint16_t *)p1, *m = (const uint16_t *)p2;
@@ -3610,8 +3622,12 @@ INLINE void mixed_ffn_phases(const float *h, const float *g, float eps, const ma
 #define SLOTS(p)                                                                                          \
   MEMREF(const uint8_t, p##0), MEMREF(const uint8_t, p##1), MEMREF(const uint8_t, p##2),                  \
       MEMREF(const uint8_t, p##3), MEMREF(const uint8_t, p##4)
-#define SLOT_MATRIX(p, t, rows) \
-  slot_matrix(mixed_kinds[t], BASE(p##0), BASE(p##1), BASE(p##2), BASE(p##3), BASE(p##4), rows)
+// A slot's plane, whose memref counts its offset in elements of the plane's own type (the program
+// passes typed planes; several planes often lie in one buffer, at offsets).
+#define SLOT_BASE(p, j, kind) ((const uint8_t *)p##j##_aligned + p##j##_offset * plane_bytes(kind, j))
+#define SLOT_MATRIX(p, t, rows)                                                                            \
+  slot_matrix(mixed_kinds[t], SLOT_BASE(p, 0, mixed_kinds[t]), SLOT_BASE(p, 1, mixed_kinds[t]),           \
+              SLOT_BASE(p, 2, mixed_kinds[t]), SLOT_BASE(p, 3, mixed_kinds[t]), SLOT_BASE(p, 4, mixed_kinds[t]), rows)
 // The layer block of mixed types: the operands of sharkport_layer_block_<type>, each matrix's
 // planes in slots, and after I each matrix's type (its index in MIXED_KINDS). y holds the output,
 // then h1, q, k and v, the attention's output and silu(gate) * up. Its _bias twin takes after v's

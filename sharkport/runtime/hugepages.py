@@ -8,20 +8,18 @@ distributions; a mapped file's pages stay 4 KiB). Streaming the weights then tak
 every 4 KiB; in a virtual machine each walks the guest's and the host's page tables. On 2 MiB
 pages decode takes fewer (docs/performance.md).
 
-`read_file(path)`: the archive read into anonymous memory advised MADV_HUGEPAGE first, so that it
-arrives on huge pages (the same resident bytes as the file's mapping once read). `snapshot()`
-before the context starts and `back_new_mappings(before, ranges)` after its buffers exist: the
-whole 2 MiB pages of every anonymous mapping that appeared or grew meanwhile, and of the given
-buffers' ranges (the caches: below glibc's mmap threshold malloc may place them in memory mapped
-before), are advised MADV_HUGEPAGE and collapsed into huge pages now (MADV_COLLAPSE, Linux 6.1;
-elsewhere khugepaged does it over time). Nothing changes where Linux says no (THP `never`, other
-systems). SHARKPORT_HUGE_PAGES=0 turns both off: the archive is then mapped from its file.
+`snapshot()` before the context starts and `back_new_mappings(before, ranges)` after its buffers
+exist (the weights its initializer read from the archive among them): the whole 2 MiB pages of
+every anonymous mapping that appeared or grew meanwhile, and of the given buffers' ranges (the
+caches: below glibc's mmap threshold malloc may place them in memory mapped before), are advised
+MADV_HUGEPAGE and collapsed into huge pages now (MADV_COLLAPSE, Linux 6.1; elsewhere khugepaged
+does it over time). Nothing changes where Linux says no (THP `never`, other systems).
+SHARKPORT_HUGE_PAGES=0 turns it off.
 """
 
 from __future__ import annotations
 
 import ctypes
-import mmap
 import os
 import sys
 from collections.abc import Iterable
@@ -35,48 +33,6 @@ Mappings = dict[int, int]  # start -> end of each private anonymous writable map
 def enabled() -> bool:
     """Whether sessions back their buffers with huge pages (Linux; SHARKPORT_HUGE_PAGES unset or 1)."""
     return sys.platform.startswith("linux") and os.environ.get("SHARKPORT_HUGE_PAGES", "1") != "0"
-
-
-def read_file(path: str | os.PathLike) -> memoryview | None:
-    """The bytes of the file at `path` read into private anonymous memory advised MADV_HUGEPAGE
-    before they are written, from a 2 MiB boundary on, so that Linux backs them with 2 MiB pages
-    as they arrive (no collapse afterwards); None where it gives none (not Linux, THP `never`,
-    SHARKPORT_HUGE_PAGES=0), and the caller maps the file instead. The view keeps its memory
-    alive."""
-    if not enabled() or not hasattr(mmap, "MADV_HUGEPAGE") or "[never]" in _thp_setting():
-        return None
-    size = os.path.getsize(path)
-    memory = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        memory.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:
-        memory.close()
-        return None
-    anchor = ctypes.c_char.from_buffer(memory)
-    start = -ctypes.addressof(anchor) % HUGE
-    del anchor  # (a live ctypes view would keep the mapping from closing)
-    view = memoryview(memory)[start:start + size]
-    for page in range(0, size, HUGE):  # each huge page faulted in by a write: far quicker than inside read()
-        view[page] = 0
-    with open(path, "rb", buffering=0) as f:
-        done = 0
-        while done < size:
-            n = f.readinto(view[done:done + READ_CHUNK])
-            if not n:
-                raise OSError(f"{path}: the file ended at byte {done} of {size} as it was read (changed meanwhile?)")
-            done += n
-    return view
-
-
-READ_CHUNK = 64 << 20
-
-
-def _thp_setting() -> str:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return f.read()
-    except OSError:
-        return "[never]"
 
 
 def snapshot() -> Mappings:

@@ -193,10 +193,14 @@ class _Logits(np.ndarray):
     view of it) is alive."""
 
 
-def _embedding_rows(index, irpa) -> int:
+def _embedding_rows(irpa) -> int:
     """The vocabulary size of an archive: the rows of token_embd.weight in its metadata entry."""
+    import iree.runtime as rt
+
     from ..archive.irpa import index_metadata
 
+    index = rt.ParameterIndex()
+    index.load(str(irpa), mmap=True)
     try:
         return int(index_metadata(index, irpa)["tensors"]["token_embd.weight"]["shape"][0])
     except (KeyError, IndexError, TypeError, ValueError):
@@ -216,10 +220,10 @@ class IreeSession(Session):
     (`hip://0,hip://1`). `irpa` is then the root archive; rank r's file and cache_state go to
     device r.
 
-    On CPU devices the archive is read into memory on 2 MiB pages, and the buffers the context's
-    initializer allocates and the caches go onto them too (runtime/hugepages.py;
-    SHARKPORT_HUGE_PAGES=0 maps the archive's file instead and keeps 4 KiB pages);
-    `huge_page_bytes` says how much was advised."""
+    On CPU devices the context's initializer reads the weights from the archive's file into the
+    buffers it allocates, and those and the caches go onto 2 MiB pages (runtime/hugepages.py;
+    SHARKPORT_HUGE_PAGES=0 keeps them on 4 KiB pages); `huge_page_bytes` says how much was
+    advised."""
 
     def __init__(self, vmfb: str | os.PathLike, irpa: str | os.PathLike, config: str | os.PathLike | ServiceConfig,
                  pages: int | None = None, device: str | None = None):
@@ -244,7 +248,7 @@ class IreeSession(Session):
         n = config.tensor_parallelism_size
         driver = module_driver(vmfb)  # None: a CPU module
         files, vocab = parameter_files(irpa, n) if n > 1 else ([irpa], None)
-        # a CPU module's weights are read from the archive's pages in memory (at least its bytes)
+        # a CPU module reads its weights into this process's memory (at least the archive's bytes)
         held = None if driver else (str(irpa), sum(Path(f).stat().st_size for f in files))
         self.pages = cache_pages(pages, config, held)
         self._calls = threading.Lock()
@@ -261,19 +265,22 @@ class IreeSession(Session):
         if any(uri.startswith("local-task") for uri in uris):
             tune_local_task(rt)
         devices = [_device(rt, uri, n == 1) for uri in uris]  # N > 1: N devices, not one shared
-        on_cpu = hugepages.enabled() and all(uri.startswith("local") for uri in uris)
+        local = all(uri.startswith("local") for uri in uris)
+        on_cpu = hugepages.enabled() and local
         index = rt.ParameterIndex()
-        self._archives = []  # what the index reads the weights from, where it is this process's memory
+        self._files = []  # the archives a CPU module's initializer reads its weights from
         for f in files:  # rank files' names are distinct (`.shard.{r}`): all load into scope "model"
-            # on CPU the kernels stream every weight each decode step: from memory on 2 MiB pages
-            # they take fewer TLB misses than from the file's mapping (hugepages.py)
-            held = hugepages.read_file(f) if on_cpu else None
-            if held is None:
-                index.load(str(f), mmap=True)
+            if local:
+                # read through the file: a CPU module gathers its weights into one buffer as it
+                # loads (sharkport.compile's CPU presets), which IREE 3.9 does from a file, not from a
+                # mapping of one
+                handle = open(f, "rb")
+                self._files.append(handle)
+                index.load_from_file_handle(rt.FileHandle.wrap_fd(handle.fileno(), readable=True, writable=False),
+                                            Path(f).suffix.lstrip("."))
             else:
-                index.load_from_file_handle(rt.FileHandle.wrap_memory(held), Path(f).suffix.lstrip("."))
-                self._archives.append(held)
-        rows = vocab or _embedding_rows(index, irpa)
+                index.load(str(f), mmap=True)
+        rows = vocab or _embedding_rows(irpa)
         if config.vocab_size is None:  # an older module, and a config without it (as shortfin's)
             config = replace(config, vocab_size=rows)
         elif rows != config.vocab_size:
@@ -298,7 +305,7 @@ class IreeSession(Session):
         self._upload = _uploader(rt, devices[0], on_host)  # the inputs' copies, on device 0
         # the weights the context's initializer wrote and the caches, on 2 MiB pages (hugepages.py);
         # a cache below glibc's mmap threshold may sit in memory mapped before, so its own range too
-        self.huge_page_bytes = sum(len(a) for a in self._archives) + (
+        self.huge_page_bytes = (
             hugepages.back_new_mappings(before, [_host_range(c) for c in self._caches]) if on_cpu else 0)
 
     def _call(self, name: str, *args) -> np.ndarray:
