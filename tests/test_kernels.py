@@ -1072,6 +1072,38 @@ def test_layer_through_the_compiled_kernels_computes_as_transformers(kinds, kern
     assert np.median(diff) <= 1e-5 and diff.max() <= 2e-2, diff
 
 
+def test_weights_in_several_buffers_compute_as_in_one(tmp_path):
+    """A CPU module gathers its weights into buffers of at most compile.MAX_ALLOCATION bytes as it
+    loads, each weight at an offset in one (which a layer block of mixed types reads in its planes'
+    own element types). The IQ4_XS layer (decode's layer that block) compiled with its weights
+    spread over buffers of 64 KiB gives the logits of one buffer, prefill and decode."""
+    from sharkport.archive import Dataset
+    from sharkport.compile import compile_mlir
+    from sharkport.export import export_model, save_export
+    from sharkport.runtime.session import IreeSession
+
+    _, irpa = _k_quant_layer(tmp_path, IQ4_XS_LAYER)
+    config = dataclasses.replace(TINY_EXPORT, matvec_kernels=True)
+    output, service = export_model(Dataset.load(irpa), config, exact_cache(config.block_seq_stride))
+    save_export(output, service, tmp_path / "m.mlir", tmp_path / "m.json")
+    logits = []
+    for name, flags in (("one", []), ("split", ["--iree-stream-resource-max-allocation-size=65536"])):
+        compile_mlir(tmp_path / "m.mlir", tmp_path / f"{name}.vmfb", extra_flags=flags)
+        session = IreeSession(tmp_path / f"{name}.vmfb", irpa, tmp_path / "m.json",
+                              pages=TINY_EXPORT.device_block_count)
+        ids, prompt, stride = np.random.default_rng(3).integers(0, 64, 24).tolist(), 20, TINY_EXPORT.block_seq_stride
+        tokens = np.zeros((1, 2 * stride), np.int64)
+        tokens[0, :prompt] = ids[:prompt]
+        pages = np.array([[0, 1]], np.int64)
+        got = [np.asarray(session.prefill(tokens, np.array([prompt]), pages))[0, :prompt]]
+        for pos in range(prompt, len(ids)):
+            got.append(np.asarray(session.decode(np.array([[ids[pos]]]), np.array([pos + 1]), np.array([pos]),
+                                                 pages))[0])
+        logits.append(np.concatenate(got))
+    assert np.isfinite(logits[0]).all()
+    np.testing.assert_array_equal(logits[1], logits[0])
+
+
 def test_kernel_decode_writes_the_cache_in_place(kernel_module):
     """A decode step through the kernels costs the same with 16 pages as with 65536 (268 MB of
     cache): IREE copying the cache_state argument in and out of each call (as it does when the

@@ -21,11 +21,15 @@ from ..fileio import atomic_output
 # IREE's discrete memory model gathers the weights into one buffer as the module loads, so a
 # dispatch binds that buffer once rather than a buffer for each weight plane (28 for a SmolLM2
 # layer): IREE records every call's command buffer anew, a cost per binding (docs/performance.md).
+# Buffers of at most 1 GiB keep each weight's offset in its buffer within a 32-bit push constant
+# (an 8B model's weights gather into five).
+MAX_ALLOCATION = 1 << 30
 _LLVM_CPU_HOST = (
     "--iree-hal-target-device=local",
     "--iree-hal-local-target-device-backends=llvm-cpu",
     "--iree-llvmcpu-target-cpu=host",
     "--iree-stream-resource-memory-model=discrete",
+    f"--iree-stream-resource-max-allocation-size={MAX_ALLOCATION}",
 )
 CPU_TARGETS: dict[str, tuple[str, ...]] = {
     # Fast on CPU: weights are dequantized (or widened from f16) and packed for the matmul
