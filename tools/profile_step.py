@@ -15,8 +15,9 @@ as the bench's.
 IREE loads a module's executable (an ELF) into anonymous memory, where perf cannot name the
 functions. So the bench MLIR is compiled again with the same flags and
 --iree-hal-dump-executable-binaries-to (the same code, and a copy of the ELF); the image base is
-the start of the anonymous mappings in /proc/self/maps that hold the samples, and functions are
-named from the copy: the kernels by their symbols, IREE's dispatches by their debug info.
+the anonymous executable mapping in /proc/self/maps that holds the samples less the copy's address
+of its executable segment, and functions are named from the copy: the kernels by their symbols,
+IREE's dispatches by their debug info.
 """
 
 from __future__ import annotations
@@ -92,9 +93,20 @@ def anonymous_mappings() -> list[tuple[int, int, str]]:
     return out
 
 
-def image_of(ips: list[int], mappings) -> tuple[int, int, int]:
-    """(image base, start, end) of the anonymous executable mapping holding the most samples; the
-    base is where the anonymous mappings contiguous with it begin (the ELF's first page)."""
+def text_page(elf: Path) -> int:
+    """The address, in the ELF, of the page its executable segment starts on."""
+    headers = subprocess.run(["readelf", "-lW", str(elf)], capture_output=True, text=True, check=True).stdout
+    for line in headers.splitlines():
+        parts = line.split()
+        if parts[:1] == ["LOAD"] and "E" in parts[6:-1]:
+            return int(parts[2], 16) & ~0xFFF
+    raise SystemExit(f"profile_step: {elf} has no executable segment")
+
+
+def image_of(ips: list[int], mappings, text: int) -> tuple[int, int, int]:
+    """(image base, start, end) of the anonymous executable mapping holding the most samples: the
+    ELF's executable segment, whose first page is at `text` in the ELF. (Anonymous memory mapped
+    next to the image, as a module's gathered weights may be, is not the image's.)"""
     counts = collections.Counter()
     for ip in ips:
         for lo, hi, perm in mappings:
@@ -104,11 +116,7 @@ def image_of(ips: list[int], mappings) -> tuple[int, int, int]:
     if not counts:
         raise SystemExit("profile_step: no samples fell in an anonymous executable mapping (the module's code)")
     (lo, hi), _ = counts.most_common(1)[0]
-    base = lo
-    for start, end, _ in sorted(mappings, reverse=True):
-        if end == base:
-            base = start
-    return base, lo, hi
+    return lo - text, lo, hi
 
 
 def main() -> None:
@@ -176,7 +184,7 @@ def main() -> None:
             parts = line.split(None, 1)
             if len(parts) == 2:
                 samples.append((int(parts[0], 16), parts[1].strip("() ")))
-        base, lo, hi = image_of([ip for ip, _ in samples], mappings)
+        base, lo, hi = image_of([ip for ip, _ in samples], mappings, text_page(elf))
         table = functions(elf)
         if linked == {object_name()}:  # compiled just now, so its object is in the cache
             table = sorted(table + static_helpers(object_path(), table))
