@@ -3544,8 +3544,6 @@ NOINLINE void swiglu_phase_of(int kind, const float *x, const float *g, float ep
 #undef CASE
 }
 
-// A matrix of `n` rows of weight type `kind` from its planes in kernels.PLANES order (as the MAT_
-// macros take them).
 // The bytes of an element of plane j of a matrix of `kind` (layout.PLANES' order; a slot past
 // its planes repeats plane 0): float16 scales (d; Q4_1's and Q5_1's m, the K-quants' dmin, IQ4_XS's
 // scales_h) and F16's and BF16's weights take two, every other plane one.
@@ -3558,6 +3556,8 @@ INLINE size_t plane_bytes(int kind, int j) {
   return 1;
 }
 
+// A matrix of `n` rows of weight type `kind` from its planes in kernels.PLANES order (as the MAT_
+// macros take them).
 INLINE matrix slot_matrix(int kind, const uint8_t *p0, const uint8_t *p1, const uint8_t *p2, const uint8_t *p3,
                           const uint8_t *p4, size_t n) {
   const uint16_t *d = (const uint16_t *)p1, *m = (const uint16_t *)p2;
