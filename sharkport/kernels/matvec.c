@@ -42,19 +42,18 @@
 #define SHARKPORT_PART -1
 #endif
 #define IN_PART(n) (SHARKPORT_PART < 0 || SHARKPORT_PART == (n))
-// Q8_0 weights (with AVX-512, at two or more rows of x: see q8_x8_zmm), and Q4 weights interleaved
-// eight rows at a time (q4_x8), are fetched ahead: PREFETCH bytes ahead in one step, or in two
-// where interleaved (see FAR_AHEAD), which reads them faster than the hardware's prefetch alone.
-// (F16 and Q4 one row at a time gain nothing from it.)
+// Q8_0 weights and Q4 weights interleaved eight rows at a time (q4_x8) are fetched ahead: PREFETCH
+// bytes ahead in one step, or in two (see FAR_AHEAD), which reads them faster than the hardware's
+// prefetch alone. (F16 and Q4 one row at a time gain nothing from it.)
 #define PREFETCH 2048
 #define PREFETCH_LINE(p) _mm_prefetch((const char *)(p) + PREFETCH, _MM_HINT_T0)
-// The Q4 x8 loops, Q8_0's AVX-512 loop at two or more rows of x, and F16's loops at two or more
+// The Q4 x8 loops, Q8_0's AVX-512 loop at more than 4 rows of x, and F16's loops at two or more
 // rows of x (but f16_row's) fetch in two steps instead: FAR_AHEAD bytes ahead into L2 (T1), then
 // NEAR_AHEAD bytes ahead into L1 (T0). One step of PREFETCH bytes into L1 keeps a core's few L1
-// misses in flight for the whole trip from memory; the step into L1 from L2 is short. Q8_0's
-// AVX-512 loop at one row of x and f16_row fetch nothing ahead, where two steps are slower.
-// Other distances, T2 for T1, or the scales in one step do no better. The AVX2 Q8_0 loop (q8_x8)
-// keeps one step: two steps, or none at one row of x, are slower there.
+// misses in flight for the whole trip from memory; the step into L1 from L2 is short. f16_row
+// fetches nothing ahead, where two steps are slower. Other distances, T2 for T1, or the scales in
+// one step do no better. The Q8_0 loops keep one step up to 4 rows of x (q8_x8_zmm; q8_x8 at all):
+// two steps are slower there.
 #define FAR_AHEAD 4096
 #define NEAR_AHEAD 768
 #define PREFETCH_TWO_STEPS(p)                                                          \
@@ -701,9 +700,8 @@ INLINE void q4_x8_zmm(const workspace *ws, int kind, const uint8_t *qs, const ui
 
 // Q8_0: `vpdpbusd` takes unsigned bytes, so the weights go in as w + 128 (w xor 0x80), and each
 // block's sum is corrected by -128 times x's block sum, an offset like Q4_0's (-128 d).
-// At one row of x the weights are not fetched ahead (the hardware's prefetch alone streams them
-// faster here); Q4's x8 loops keep theirs at one row, as they are slower without it. At two or
-// more rows of x it fetches them in two steps (FAR_AHEAD).
+// Up to 4 rows of x the weights are fetched ahead in one step (PREFETCH), beyond in two (FAR_AHEAD):
+// each reads them faster there than the other or the hardware's prefetch alone.
 INLINE void q8_x8_zmm(const workspace *ws, const int8_t *qs, const uint16_t *d, size_t MC, size_t K,
                       float out[MAX_M][8]) {
   size_t B = K / 32;
@@ -711,8 +709,12 @@ INLINE void q8_x8_zmm(const workspace *ws, const int8_t *qs, const uint16_t *d, 
   EIGHT(__m512, acc, _mm512_setzero_ps());
   EIGHT(__m256, off, _mm256_setzero_ps());
   for (size_t b = 0; b < B; ++b, qs += 256) {
-    if (MC > 1)
-      for (size_t line = 0; line < 256; line += 64) PREFETCH_TWO_STEPS(qs + line);
+    for (size_t line = 0; line < 256; line += 64) {
+      if (MC > 4)
+        PREFETCH_TWO_STEPS(qs + line);
+      else
+        PREFETCH_LINE(qs + line);
+    }
     __m512i u[4];
     for (size_t j = 0; j < 4; ++j) u[j] = _mm512_xor_si512(pair_chunks(_mm512_loadu_si512(qs + 64 * j)), bias);
     __m256 d8 = halves8(d + 8 * b);
