@@ -90,8 +90,9 @@ E, EPS = 96, 1e-5
 
 @pytest.fixture(scope="module")
 def norm_module(tmp_path_factory):
-    """`norm_bs{B}(h [B, 1, E]) -> rms_norm(h)` for B 1 and 4, traced as the exporter traces decode
-    (the export's kernel norm, KernelRMSNorm)."""
+    """`norm_bs{B}(h [B, 1, E]) -> rms_norm(h)` and `post_bs{B}(r, h) -> r + rms_norm(h)` (a
+    post-norm with its residual add, KernelRMSNorm.add_to) for B 1 and 4, traced as the exporter
+    traces decode (the export's kernel norm, KernelRMSNorm)."""
     root = tmp_path_factory.mktemp("norms")
     w = torch.from_numpy(np.random.default_rng(11).uniform(0.5, 1.5, E).astype(np.float32))
     fxb = FxProgramsBuilder(torch.nn.Module())
@@ -102,6 +103,10 @@ def norm_module(tmp_path_factory):
         @fxb.export_program(name=f"norm_bs{b}", args=(h,), strict=False)
         def _norm(module, h):
             return norm(h)
+
+        @fxb.export_program(name=f"post_bs{b}", args=(torch.zeros(b, 1, E), h), strict=False)
+        def _post(module, r, h):
+            return norm.add_to(r, h)
 
     with torch.no_grad():
         text = str(aot.export(fxb).mlir_module)
@@ -115,7 +120,8 @@ def test_decode_norms_trace_as_regions(norm_module):
     _, text, _ = norm_module
     for b in (1, 4):
         assert f"util.func private @sharkport_rms_norm_{b}x{E}_" in text
-    assert text.count("flow.dispatch.region") == 2 and "torch.aten.rsqrt" not in text
+        assert f"util.func private @sharkport_add_rms_norm_{b}x{E}_" in text
+    assert text.count("flow.dispatch.region") == 4 and "torch.aten.rsqrt" not in text
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -139,3 +145,6 @@ def test_compiled_decode_norms_equal_transformers(norm_module, batch):
         with torch.no_grad():
             want = reference(torch.from_numpy(x)).numpy()
         np.testing.assert_allclose(normed, want, rtol=1e-6, atol=1e-6)
+        r = rng.standard_normal(x.shape, dtype=np.float32)
+        added = np.array(module[f"post_bs{batch}"](r, x).to_host(), copy=True)
+        np.testing.assert_allclose(added, r + want, rtol=1e-6, atol=1e-6)

@@ -4,13 +4,14 @@ where one applies and compute as the plain module elsewhere.
 
 Which layers can take a kernel is decided here: a llama block whose attention has no Q/K norms,
 no fused projection and no output bias is one dispatch in decode (`kernels.layer_block`; with q,
-k and v biases, as qwen2's, its mixed-type block), or two (`attention_block`, `ffn_block`); elsewhere a norm goes inside the products after it and a
-residual add inside the product before it (`matvec_norm`, `qkv_norm`, `swiglu_norm`,
-`matvec_add`), and decode's remaining norms are one dispatch region each (ops.regions). What the
-kernels take of the tensors themselves (float32, the weight types and sizes matvec.c handles,
-decode's few static rows for the blocks and fused norms) is checked where they are called: each
-sharkport.kernels function returns None where it does not apply, and the module computes as the
-plain one."""
+k and v biases, as qwen2's, its mixed-type block), or two (`attention_block`, `ffn_block`);
+elsewhere a norm goes inside the products after it and a residual add inside the product before
+it (`matvec_norm`, `qkv_norm`, `swiglu_norm`, `matvec_add`; a Gemma-3 block's pre-norms so, and
+each of its post-norms with the residual add after it in one region), and decode's remaining
+norms are one dispatch region each (ops.regions). What the kernels take of the tensors
+themselves (float32, the weight types and sizes matvec.c handles, decode's few static rows for
+the blocks and fused norms) is checked where they are called: each sharkport.kernels function
+returns None where it does not apply, and the module computes as the plain one."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 
 from .. import kernels
 from ..layers import Linear, PagedAttention, RMSNorm, SwiGLU
+from ..models.gemma3 import Gemma3Block
 from ..models.llama import LlamaBlock
 from ..ops import cast, causal_mask, linear, rms_norm
 
@@ -64,6 +66,16 @@ class KernelRMSNorm(torch.nn.Module):
 
             return region(rows, self.weight, self.eps).view(x.shape)
         return rms_norm(x, self.weight, self.eps)
+
+    def add_to(self, r: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """r + this norm of x: a post-norm with its residual add, over decode's rows one dispatch
+        region (ops.regions.add_rms_norm)."""
+        rows = x.reshape(-1, x.shape[-1])
+        if kernels.decode_rows(rows) and self.weight.dtype == torch.float32 and r.dtype == torch.float32:
+            from ..ops.regions import add_rms_norm
+
+            return add_rms_norm(r.reshape(rows.shape), rows, self.weight, self.eps).view(x.shape)
+        return r + rms_norm(x, self.weight, self.eps)
 
 
 class KernelLinear(torch.nn.Module):
@@ -189,7 +201,7 @@ class KernelAttention(torch.nn.Module):
 class KernelFFN(torch.nn.Module):
     """SwiGLU's gate and up products in one dispatch (kernels.swiglu); with `norm` and `residual`
     (the block's norm before it and residual add after it) the whole of it in one
-    (kernels.ffn_block)."""
+    (kernels.ffn_block). GeGLU's gate and up are a product each, both normalizing x inside."""
 
     def __init__(self, plain: SwiGLU):
         super().__init__()
@@ -203,7 +215,10 @@ class KernelFFN(torch.nn.Module):
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         f = self.plain
         if not self.silu:
-            return f.down(f.gated(x if norm is None else norm(x)), residual=residual)
+            g, normed = fused_product(lambda rows, n: kernels.matvec(rows, f.gate.weight, n), x, norm)
+            g = f.gate(normed) if g is None else g.reshape(*x.shape[:-1], g.shape[-1])
+            u = f.up(normed, norm=norm if normed is x else None)  # x normalized inside gate's product too
+            return f.down(f.activation(g) * u, residual=residual)
         if norm is not None and residual is x:
             y = kernels.ffn_block(x, (norm.weight, norm.eps), f.gate.weight, f.up.weight, f.down.weight)
             if y is not None:
@@ -245,6 +260,28 @@ class KernelLlamaBlock(torch.nn.Module):
         return h + b.ffn(b.ffn_norm(h))  # a mixture of experts: its products take the kernels one by one
 
 
+class KernelGemma3Block(torch.nn.Module):
+    """Gemma-3's block with its pre-norms inside the products after them, and each post-norm with
+    its residual add in one dispatch region in decode (KernelRMSNorm.add_to)."""
+
+    def __init__(self, plain: Gemma3Block):
+        super().__init__()
+        self.plain = plain
+
+    def prefill(self, h, cos_l, sin_l, cos_g, sin_g, seq_block_ids, cache_state):
+        b = self.plain
+        a = b.attention.prefill(h, b._rope(cos_l, sin_l, cos_g, sin_g), cache_state, seq_block_ids, norm=b.attn_norm)
+        h = h + b.post_attention_norm(a)
+        return h + b.post_ffw_norm(b.ffn(h, norm=b.ffn_norm))
+
+    def decode(self, h, cos_l, sin_l, cos_g, sin_g, seq_block_ids, start_positions, seq_lens, cache_state):
+        b = self.plain
+        a = b.attention.decode(h, b._rope(cos_l, sin_l, cos_g, sin_g), cache_state, seq_block_ids, start_positions,
+                               seq_lens, norm=b.attn_norm)
+        h = b.post_attention_norm.add_to(h, a)
+        return b.post_ffw_norm.add_to(h, b.ffn(h, norm=b.ffn_norm))
+
+
 # plain module type -> its kernel module, for use_kernels (children are swapped first)
-_SWAPS = ((LlamaBlock, KernelLlamaBlock), (PagedAttention, KernelAttention), (SwiGLU, KernelFFN),
-          (Linear, KernelLinear), (RMSNorm, KernelRMSNorm))
+_SWAPS = ((LlamaBlock, KernelLlamaBlock), (Gemma3Block, KernelGemma3Block), (PagedAttention, KernelAttention),
+          (SwiGLU, KernelFFN), (Linear, KernelLinear), (RMSNorm, KernelRMSNorm))

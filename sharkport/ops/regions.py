@@ -10,6 +10,8 @@
   of squares, then the scaling); one region takes one. The export takes it with the matvec
   kernels (export.kernels.KernelRMSNorm), where most of decode's norms go inside the products
   after them and need no dispatch at all.
+* `add_rms_norm(r, x, w, eps)`: a post-norm and the residual add after it (Gemma's), r +
+  rms_norm(x, w), over decode's rows in one region, not two.
 
 `tools/profile_step.py` measures where a prefill or a decode step goes.
 """
@@ -87,14 +89,19 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(g) * u
 
 
-def _rms_norm_body(name: str, m: int, e: int, eps: float) -> str:
+def _rms_norm_body(name: str, m: int, e: int, eps: float, residual: bool = False) -> str:
     """util.func `name`: h [m, e], w [e] → rms_norm(h, w), as torch's decomposition computes it
-    (h * rsqrt(sum(h * h) / e + eps) * w), in one dispatch region."""
+    (h * rsqrt(sum(h * h) / e + eps) * w), in one dispatch region; with `residual`, r [m, e] first
+    and r + rms_norm(h, w)."""
     t, row, vec = f"tensor<{m}x{e}xf32>", f"tensor<{m}xf32>", f"tensor<{e}xf32>"
     ij, i, j = "affine_map<(i, j) -> (i, j)>", "affine_map<(i, j) -> (i)>", "affine_map<(i, j) -> (j)>"
+    r_arg, r_map, r_in, r_val, r_type = ("%res: " + t + ", ", f", {ij}", "%res, ", "%b: f32, ", f"{t}, ") if residual \
+        else ("", "", "", "", "")
+    out = "%o" if not residual else "%o2"
+    add = "\n        %o2 = arith.addf %b, %o : f32" if residual else ""
     return f"""
 module {{
-  util.func private @{name}(%h: {t}, %w: {vec}) -> {t} {{
+  util.func private @{name}({r_arg}%h: {t}, %w: {vec}) -> {t} {{
     %r = flow.dispatch.region -> ({t}) {{
       %zero = arith.constant 0.0 : f32
       %er = tensor.empty() : {row}
@@ -107,17 +114,17 @@ module {{
         linalg.yield %s : f32
       }} -> {row}
       %ey = tensor.empty() : {t}
-      %y = linalg.generic {{indexing_maps = [{ij}, {i}, {j}, {ij}], iterator_types = ["parallel", "parallel"]}}
-          ins(%h, %ss, %w : {t}, {row}, {vec}) outs(%ey : {t}) {{
-      ^bb0(%a: f32, %q: f32, %g: f32, %out: f32):
+      %y = linalg.generic {{indexing_maps = [{ij}{r_map}, {i}, {j}, {ij}], iterator_types = ["parallel", "parallel"]}}
+          ins(%h, {r_in}%ss, %w : {t}, {r_type}{row}, {vec}) outs(%ey : {t}) {{
+      ^bb0(%a: f32, {r_val}%q: f32, %g: f32, %out: f32):
         %n = arith.constant {float(e):.1f} : f32
         %eps = arith.constant {eps:.9e} : f32
         %mean = arith.divf %q, %n : f32
         %v = arith.addf %mean, %eps : f32
         %r = math.rsqrt %v : f32
         %xr = arith.mulf %a, %r : f32
-        %o = arith.mulf %xr, %g : f32
-        linalg.yield %o : f32
+        %o = arith.mulf %xr, %g : f32{add}
+        linalg.yield {out} : f32
       }} -> {t}
       flow.return %y : {t}
     }}
@@ -148,9 +155,38 @@ class _RmsNorm(CustomOp):
         call_mlir_function(kb, name, lambda: _rms_norm_body(name, m, e, eps))
 
 
+class _AddRmsNorm(CustomOp):
+    signature = "add_rms_norm(Tensor r, Tensor h, Tensor w, float eps) -> (Tensor)"
+
+    def select(self, ksel: KernelSelection):
+        r, h, w = (ksel.arg_tensor(k) for k in range(3))
+        for t in (r, h, w):
+            t.specialize_all_dims()
+        ksel.attr_float(3)
+        ksel.return_new_tensor(list(h.t.shape), torch.float32)
+
+    def eager_execute(self, r, h, w, eps):
+        return r + h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    def generate(self, ksel: KernelSelection, kb: KernelBuilder):
+        from iree.turbine.support.ir_imports import RankedTensorType
+
+        m, e = RankedTensorType(kb.arg_bindings[1].type).shape
+        eps = ksel.arg_descs[3].v
+        name = f"sharkport_add_rms_norm_{m}x{e}_{eps!r}".replace(".", "p").replace("-", "m")
+        call_mlir_function(kb, name, lambda: _rms_norm_body(name, m, e, eps, residual=True))
+
+
 _RMS_NORM = CustomOp.register(library=_LIBRARY)(_RmsNorm)
+_ADD_RMS_NORM = CustomOp.register(library=_LIBRARY)(_AddRmsNorm)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """rms_norm of x [M, E] float32 by w [E] float32 in one dispatch region."""
     return _RMS_NORM(x, w, float(eps))
+
+
+def add_rms_norm(r: torch.Tensor, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """r + rms_norm(x, w) for r, x [M, E] and w [E], float32, in one dispatch region: a
+    post-norm and its residual add (Gemma's)."""
+    return _ADD_RMS_NORM(r, x, w, float(eps))
