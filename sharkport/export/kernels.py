@@ -59,22 +59,29 @@ class KernelRMSNorm(torch.nn.Module):
         super().__init__()
         self.weight, self.eps = norm.weight, norm.eps
 
+    def _region_rows(self, *xs: torch.Tensor):
+        """xs as rows [M, E] where a region takes them (decode's float32 rows), else None."""
+        rows = [x.reshape(-1, x.shape[-1]) for x in xs]
+        if all(kernels.decode_rows(r) for r in rows) and self.weight.dtype == torch.float32:
+            return rows
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        if kernels.decode_rows(rows) and self.weight.dtype == torch.float32:
+        rows = self._region_rows(x)
+        if rows is not None:
             from ..ops.regions import rms_norm as region
 
-            return region(rows, self.weight, self.eps).view(x.shape)
+            return region(*rows, self.weight, self.eps).view(x.shape)
         return rms_norm(x, self.weight, self.eps)
 
     def add_to(self, r: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """r + this norm of x: a post-norm with its residual add, over decode's rows one dispatch
         region (ops.regions.add_rms_norm)."""
-        rows = x.reshape(-1, x.shape[-1])
-        if kernels.decode_rows(rows) and self.weight.dtype == torch.float32 and r.dtype == torch.float32:
+        rows = self._region_rows(r, x)
+        if rows is not None:
             from ..ops.regions import add_rms_norm
 
-            return add_rms_norm(r.reshape(rows.shape), rows, self.weight, self.eps).view(x.shape)
+            return add_rms_norm(*rows, self.weight, self.eps).view(x.shape)
         return r + rms_norm(x, self.weight, self.eps)
 
 
@@ -271,13 +278,16 @@ class KernelGemma3Block(torch.nn.Module):
     def prefill(self, h, cos_l, sin_l, cos_g, sin_g, seq_block_ids, cache_state):
         b = self.plain
         a = b.attention.prefill(h, b._rope(cos_l, sin_l, cos_g, sin_g), cache_state, seq_block_ids, norm=b.attn_norm)
-        h = h + b.post_attention_norm(a)
-        return h + b.post_ffw_norm(b.ffn(h, norm=b.ffn_norm))
+        return self._after_attention(h, a)
 
     def decode(self, h, cos_l, sin_l, cos_g, sin_g, seq_block_ids, start_positions, seq_lens, cache_state):
         b = self.plain
         a = b.attention.decode(h, b._rope(cos_l, sin_l, cos_g, sin_g), cache_state, seq_block_ids, start_positions,
                                seq_lens, norm=b.attn_norm)
+        return self._after_attention(h, a)
+
+    def _after_attention(self, h: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        b = self.plain
         h = b.post_attention_norm.add_to(h, a)
         return b.post_ffw_norm.add_to(h, b.ffn(h, norm=b.ffn_norm))
 

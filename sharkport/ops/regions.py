@@ -95,10 +95,10 @@ def _rms_norm_body(name: str, m: int, e: int, eps: float, residual: bool = False
     and r + rms_norm(h, w)."""
     t, row, vec = f"tensor<{m}x{e}xf32>", f"tensor<{m}xf32>", f"tensor<{e}xf32>"
     ij, i, j = "affine_map<(i, j) -> (i, j)>", "affine_map<(i, j) -> (i)>", "affine_map<(i, j) -> (j)>"
-    r_arg, r_map, r_in, r_val, r_type = ("%res: " + t + ", ", f", {ij}", "%res, ", "%b: f32, ", f"{t}, ") if residual \
-        else ("", "", "", "", "")
-    out = "%o" if not residual else "%o2"
-    add = "\n        %o2 = arith.addf %b, %o : f32" if residual else ""
+    # with `residual`: r's argument, its map, operand, block argument and type, and the add
+    r_arg, r_map, r_in, r_val, r_type = ((f"%res: {t}, ", f", {ij}", "%res, ", "%b: f32, ", f"{t}, ") if residual
+                                         else ("",) * 5)
+    out, add = ("%o2", "\n        %o2 = arith.addf %b, %o : f32") if residual else ("%o", "")
     return f"""
 module {{
   util.func private @{name}({r_arg}%h: {t}, %w: {vec}) -> {t} {{
@@ -133,6 +133,20 @@ module {{
 }}"""
 
 
+def _rms_norm_eager(h, w, eps):
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _generate_norm(ksel: KernelSelection, kb: KernelBuilder, op: str, residual: bool) -> None:
+    """A norm op's call of its region function, one per shape and eps (h follows r where `residual`)."""
+    from iree.turbine.support.ir_imports import RankedTensorType
+
+    m, e = RankedTensorType(kb.arg_bindings[int(residual)].type).shape
+    eps = ksel.arg_descs[2 + int(residual)].v
+    name = f"sharkport_{op}_{m}x{e}_{eps!r}".replace(".", "p").replace("-", "m")
+    call_mlir_function(kb, name, lambda: _rms_norm_body(name, m, e, eps, residual))
+
+
 class _RmsNorm(CustomOp):
     signature = "rms_norm(Tensor h, Tensor w, float eps) -> (Tensor)"
 
@@ -144,15 +158,10 @@ class _RmsNorm(CustomOp):
         ksel.return_new_tensor(list(h.t.shape), torch.float32)
 
     def eager_execute(self, h, w, eps):
-        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w
+        return _rms_norm_eager(h, w, eps)
 
     def generate(self, ksel: KernelSelection, kb: KernelBuilder):
-        from iree.turbine.support.ir_imports import RankedTensorType
-
-        m, e = RankedTensorType(kb.arg_bindings[0].type).shape
-        eps = ksel.arg_descs[2].v
-        name = f"sharkport_rms_norm_{m}x{e}_{eps!r}".replace(".", "p").replace("-", "m")
-        call_mlir_function(kb, name, lambda: _rms_norm_body(name, m, e, eps))
+        _generate_norm(ksel, kb, "rms_norm", residual=False)
 
 
 class _AddRmsNorm(CustomOp):
@@ -166,15 +175,10 @@ class _AddRmsNorm(CustomOp):
         ksel.return_new_tensor(list(h.t.shape), torch.float32)
 
     def eager_execute(self, r, h, w, eps):
-        return r + h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w
+        return r + _rms_norm_eager(h, w, eps)
 
     def generate(self, ksel: KernelSelection, kb: KernelBuilder):
-        from iree.turbine.support.ir_imports import RankedTensorType
-
-        m, e = RankedTensorType(kb.arg_bindings[1].type).shape
-        eps = ksel.arg_descs[3].v
-        name = f"sharkport_add_rms_norm_{m}x{e}_{eps!r}".replace(".", "p").replace("-", "m")
-        call_mlir_function(kb, name, lambda: _rms_norm_body(name, m, e, eps, residual=True))
+        _generate_norm(ksel, kb, "add_rms_norm", residual=True)
 
 
 _RMS_NORM = CustomOp.register(library=_LIBRARY)(_RmsNorm)
