@@ -84,8 +84,9 @@ def main() -> None:
                      "add --model llama3-3b")
     from bench import emit, read_bandwidth
 
-    bandwidth, probe = read_bandwidth()
-    lines = [f"{os.cpu_count()} CPUs; read bandwidth {bandwidth / 1e9:.1f} GB/s ({probe}); GB/s of weights as stored",
+    bandwidth, best, probe = read_bandwidth()
+    lines = [f"{os.cpu_count()} CPUs; read bandwidth {bandwidth / 1e9:.1f} GB/s ({probe}; the fastest read "
+             f"{best / 1e9:.1f}, to set beside the products' best of 5 trials); GB/s of weights as stored",
              "", "| type | product | rows of x | threads | in the caches | from memory | memory / caches |",
              "|---|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as tmp:
