@@ -164,11 +164,11 @@ def load_transformers(gguf_file: Path | None = None, model_dir: Path | None = No
     return model.eval()
 
 
-def quantize_linear_inputs(model, per_256: Sequence[str] = ()) -> list:
-    """Makes every nn.Linear of a transformers model multiply its input as the kernels multiply x
-    by quantized weights: quantized to Q8_0 per block of 32 and dequantized, by gguf.quants; the
-    modules named in `per_256` (their weights are K-quants) per 256 values as llama.cpp's Q8_K
-    (kernels.quantized_x). Returns the hooks."""
+def quantize_linear_inputs(model, per_256: Sequence[str] = (), linear: type | None = None) -> list:
+    """Makes every linear layer of a model (nn.Linear, as transformers' are, or the `linear`
+    type) multiply its input as the kernels multiply x by quantized weights: quantized to Q8_0 per
+    block of 32 and dequantized, by gguf.quants; the modules named in `per_256` (their weights are
+    K-quants) per 256 values as llama.cpp's Q8_K (kernels.quantized_x). Returns the hooks."""
     import torch
     from gguf import GGMLQuantizationType, quants
 
@@ -178,13 +178,13 @@ def quantize_linear_inputs(model, per_256: Sequence[str] = ()) -> list:
         x = args[0]
         rows = x.detach().float().reshape(-1, x.shape[-1]).numpy()
         seen = quants.dequantize(quants.quantize(rows, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
-        return (torch.from_numpy(seen).reshape(x.shape).to(x.dtype),)
+        return (torch.from_numpy(seen).reshape(x.shape).to(x.dtype), *args[1:])
 
     def q8_k(module, args):
-        return (quantized_x(args[0].detach().float(), X_PER_256[0]).to(args[0].dtype),)
+        return (quantized_x(args[0].detach().float(), X_PER_256[0]).to(args[0].dtype), *args[1:])
 
     return [m.register_forward_pre_hook(q8_k if name in per_256 else q8_0) for name, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear)]
+            if isinstance(m, linear or torch.nn.Linear)]
 
 
 def linear_inputs_per_256(dataset) -> list[str] | None:

@@ -12,15 +12,19 @@ the fixture GGUFs (written as llama.cpp's converter writes each architecture, ti
   batch 1 and 4; prompts are longer than the sliding window (8) of Mistral and Gemma-3, and
   the tiny Mixtral routes each token to 2 of 4 experts. The two imports agree with each other.
 * compiled (slow): one module per architecture (prefill/decode at batch 1 and 4, GGUF import),
-  the same checks through IREE. Gemma-3 is compiled as `gemma3-2l` (2 layers: local, global):
-  the 6-layer one, whose GGUF leaves the pattern implicit as llama.cpp does, takes 3x longer.
-  Gemma-3 is also compiled with `--matvec-kernels` (attention in hand-written kernels: its
-  own query scale and Q/K norms, the local layer's window keeping the traced form).
+  the same checks through IREE, exported the CLI's default way (the kernels: attention in
+  hand-written kernels, Gemma-3's own query scale and Q/K norms among them) and, for Gemma-3 (the
+  others' are extended), with IREE's code alone. Gemma-3 is compiled as `gemma3-2l` (2 layers:
+  local, global): the 6-layer one, whose GGUF leaves the pattern implicit as llama.cpp does, takes
+  3x longer.
+* quantized (slow): each tiny model with Q8_0 matrices through the default path decodes as the
+  eager recipe over the same weights, each linear's input quantized as the kernels do (gguf.quants).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import numpy as np
@@ -189,10 +193,12 @@ def test_eager_hf_import_equals_gguf_import(recipe_irpa, kind):
 # Compiled module (one per architecture)
 # ---------------------------------------------------------------------------------------------
 
-# The default suite compiles Gemma-3 (the recipe furthest from llama); the others are extended.
-COMPILED_KINDS = [pytest.param(k, False, id=k, marks=() if k == "gemma3-2l" else pytest.mark.extended)
-                  for k in ("mistral", "qwen2", "gemma3-2l", "mixtral", "gpt2")]
-COMPILED_KINDS.append(pytest.param("gemma3-2l", True, id="gemma3-2l-kernels"))
+# Each recipe through the CLI's default path (the kernels) and through IREE's own code alone: the
+# default suite has every recipe's default path and Gemma-3's (the recipe furthest from llama)
+# other; the others' are extended.
+COMPILED_KINDS = [pytest.param(k, kernels, id=f"{k}-kernels" if kernels else k,
+                               marks=() if kernels or k == "gemma3-2l" else pytest.mark.extended)
+                  for k in ("mistral", "qwen2", "gemma3-2l", "mixtral", "gpt2") for kernels in (True, False)]
 
 
 @pytest.mark.slow
@@ -201,6 +207,54 @@ COMPILED_KINDS.append(pytest.param("gemma3-2l", True, id="gemma3-2l-kernels"))
 def test_compiled_matches_transformers(recipes, recipe_compiled, kind, matvec_kernels, batch):
     vmfb, irpa, config = recipe_compiled(kind, matvec_kernels)
     check_prefill_decode(IreeSession(vmfb, irpa, config, pages=PAGES), recipes[kind].hf, BATCHES[batch])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "gemma3-2l", "mixtral", "gpt2"])
+def test_quantized_default_path_computes_as_the_recipe(recipe_irpa, kind, tmp_path):
+    """Each recipe's tiny model with every matrix Q8_0 (sharkport's quantizer), exported the CLI's
+    default way (the kernels read the weights as stored: Mixtral's experts and router, GPT-2's
+    fused qkv and biases, Qwen2's q/k/v biases, Gemma-3's norms) and compiled: its decode at batch
+    4 over two pages gives the logits of the eager recipe over the same weights dequantized, each
+    linear's input quantized to Q8_0 by gguf.quants as the kernels quantize x. Where x differs from
+    the eager one by float rounding, a value on a rounding boundary of its quantization can land on
+    the other side (a 1e-6 change of x moves these models' logits by about 1e-2 of their largest),
+    so most steps agree to 1e-4 and none is further than that moves it."""
+    from sharkport.archive import save_dataset
+    from sharkport.archive.quantize import plan_types, requantized
+    from sharkport.compile import compile_mlir
+    from sharkport.export import export_model, save_export
+    from sharkport.layers.linear import Linear
+    from sharkport.verify import quantize_linear_inputs
+
+    source = Dataset.load(recipe_irpa(kind, "gguf"))
+    irpa = tmp_path / "q8_0.irpa"
+    save_dataset(requantized(source, plan_types(source.metadata["tensors"], "Q8_0", [])), irpa, progress=False)
+    output, service = export_model(Dataset.load(irpa), dataclasses.replace(TINY_EXPORT, matvec_kernels=True),
+                                   exact_cache())
+    save_export(output, service, tmp_path / "m.mlir", tmp_path / "m.json")
+    assert re.search(r"@sharkport_\w*q8_0", (tmp_path / "m.mlir").read_text()), "no Q8_0 kernel is called"
+    compile_mlir(tmp_path / "m.mlir", tmp_path / "m.vmfb")
+    session = IreeSession(tmp_path / "m.vmfb", irpa, tmp_path / "m.json", pages=TINY_EXPORT.device_block_count)
+
+    model = build_model(Dataset.load(irpa), exact_cache())
+    quantize_linear_inputs(model, linear=Linear)
+    cache = model.new_cache(TINY_EXPORT.device_block_count)
+    ids = [3, 99, 14, 200, 7, 7, 51, 128, 60, 2, 31, 90, 17, 5, 250, 33, 8, 64, 101, 12]  # two pages of 16
+    pages = np.arange(4, dtype=np.int64)[:, None] * 2 + np.arange(2)
+    tokens = np.zeros((4, TINY_EXPORT.block_seq_stride), np.int64)
+    tokens[:, :5] = ids[:5]
+    session.prefill(tokens, np.full(4, 5), pages[:, :1].copy())
+    errors = []
+    with torch.no_grad():
+        model.prefill(torch.from_numpy(tokens), torch.full((4,), 5), torch.from_numpy(pages[:, :1].copy()), cache)
+        for pos in range(5, len(ids)):
+            args = (np.full((4, 1), ids[pos]), np.full(4, pos + 1), np.full(4, pos), pages[:, :pos // 16 + 1].copy())
+            got = np.array(session.decode(*args), copy=True)
+            want = model.decode(*(torch.from_numpy(a) for a in args), cache).numpy().reshape(got.shape)
+            errors.append(float(np.abs(got - want).max() / np.abs(want).max()))
+    assert np.median(errors) <= 1e-4 and max(errors) <= 0.05, \
+        "steps' largest error / largest logit: " + ", ".join(f"{e:.1e}" for e in errors)
 
 
 # ---------------------------------------------------------------------------------------------
