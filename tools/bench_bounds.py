@@ -12,8 +12,8 @@ each line of every plane, with the kernels' prefetch), and reading nothing ("non
 $SHARKPORT_KERNEL_PRODUCTS, matvec.c's SHARKPORT_PRODUCTS. A type's three modules decode in
 interleaved rounds (--loads sessions of each, their steps pooled, each batch of steps after
 tools/bench.py's warm-up) at the bench's positions, and every round also runs the bench's probe
-(tools/read_bandwidth.c: a thread per CPU summing 512 MiB, the median of 10 reads) and the same probe over
-the weights' bytes alone; then the next type (the sessions of all three at once would not fit in
+(tools/read_bandwidth.c: a thread per CPU summing 512 MiB, the median of 10 reads) and the same
+probe over the weights' bytes alone; then the next type (the sessions of all three at once would not fit in
 24 GB). Then, per type:
 - loads / full: what the products' arithmetic adds to reading the weights;
 - none: what a step costs besides reading the weights (attention over the cache, norms, x's

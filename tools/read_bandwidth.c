@@ -2,9 +2,10 @@
 // (default: every CPU this process may use) each sum their share of a BYTES buffer (default
 // 512 MiB, far beyond the caches) with independent vector accumulators, REPEAT times; prints the
 // median rate and the best in bytes/s (the median is what decode's median steps are set against:
-// on a shared host the best read catches a moment of quiet that a step rarely sees). The buffer is on 2 MiB pages where Linux gives them (MADV_HUGEPAGE), as
-// a session's weights are (sharkport/runtime/hugepages.py), unless SHARKPORT_HUGE_PAGES=0: in a
-// virtual machine 4 KiB pages read about 10% slower. Built and run by
+// on a shared host the best read catches a moment of quiet that a step rarely sees). The buffer
+// is on 2 MiB pages where Linux gives them (MADV_HUGEPAGE), as a session's weights are
+// (sharkport/runtime/hugepages.py), unless SHARKPORT_HUGE_PAGES=0: in a virtual machine 4 KiB
+// pages read about 10% slower. Built and run by
 // tools/bench.py with the system C compiler:
 //
 //     cc -O2 -march=native -pthread tools/read_bandwidth.c -o read_bandwidth && ./read_bandwidth [BYTES [THREADS [REPEAT]]]
