@@ -46,10 +46,12 @@ def _run_iree(vmfb, irpa, fn_name: str, *args) -> np.ndarray:
     return np.array(result.to_host(), copy=True)  # to_host() is a view of a buffer we drop
 
 
-@pytest.fixture(scope="module")
-def dequant_module(tmp_path_factory):
+@pytest.fixture(scope="module", params=["llvm-cpu", "llvm-cpu-lean"])
+def dequant_module(request, tmp_path_factory):
     """A GGUF with one tensor per block type → .irpa → a module with `dequant_<type>(rows)`
-    functions that gather rows of the external planes and dequantize them in the graph."""
+    functions that gather rows of the external planes and dequantize them in the graph: for
+    llvm-cpu, which may unpack the planes at load, and for llvm-cpu-lean, which reads them as
+    stored in every call."""
     root = tmp_path_factory.mktemp("dequant")
     rng = np.random.default_rng(7)
     tensors = {f"t.{t}": (t, SHAPE, random_blocks(t, SHAPE, rng)) for t in QUANT_TYPES}
@@ -72,7 +74,7 @@ def dequant_module(tmp_path_factory):
     mlir, vmfb = root / "types.mlir", root / "types.vmfb"
     with torch.no_grad():
         aot.export(fxb).save_mlir(mlir)
-    compile_mlir(mlir, vmfb)
+    compile_mlir(mlir, vmfb, request.param)
     return gguf_path, irpa, vmfb
 
 
@@ -143,13 +145,40 @@ def mixed_llama(tmp_path_factory):
     return root, irpa
 
 
-@pytest.mark.extended  # every type is compiled by test_compiled_dequant_is_bit_exact already
-def test_mixed_type_llama_compiled_matches_eager(mixed_llama):
+@pytest.fixture(scope="module")
+def mixed_llama_export(mixed_llama):
+    """The tiny llama's exported program (MLIR), its service config and that config's path."""
     root, irpa = mixed_llama
     output, service = export_model(Dataset.load(irpa), EXPORT)
-    mlir, config, vmfb = root / "m.mlir", root / "m.json", root / "m.vmfb"
+    mlir, config = root / "m.mlir", root / "m.json"
     save_export(output, service, mlir, config)
-    compile_mlir(mlir, vmfb)
+    return mlir, service, config
+
+
+@pytest.mark.parametrize("spec", ["llvm-cpu-lean", "cuda:sm_90", "rocm:gfx942", "vulkan"])
+def test_weights_stay_as_stored(mixed_llama_export, spec, tmp_path):
+    """The lean CPU and GPU targets keep no load-time copy of any weight: IREE's global
+    optimization, left to itself, hoists the unpacking of every type's planes into initializers
+    that run at load (thousands for a K-quant model)."""
+    mlir = mixed_llama_export[0]
+
+    def hoisted(flags: list[str]) -> int:
+        out = tmp_path / "global-opt.mlir"
+        compile_mlir(mlir, out, spec, [*flags, "--compile-to=global-optimization"])
+        return out.read_text().count("util.global private @__hoisted")
+
+    assert hoisted([]) == 0
+    if spec == "llvm-cpu-lean":  # with IREE's default the count tells them apart
+        assert hoisted(["--iree-opt-const-expr-hoisting=true"]) > 0
+
+
+@pytest.mark.extended  # every type is compiled by test_compiled_dequant_is_bit_exact already
+@pytest.mark.parametrize("spec", ["llvm-cpu", "llvm-cpu-lean"])
+def test_mixed_type_llama_compiled_matches_eager(mixed_llama, mixed_llama_export, spec, tmp_path):
+    _, irpa = mixed_llama
+    mlir, service, config = mixed_llama_export
+    vmfb = tmp_path / "m.vmfb"
+    compile_mlir(mlir, vmfb, spec)
 
     model = build_model(Dataset.load(irpa), ModelConfig(block_seq_stride=STRIDE))
     sessions = [EagerSession(model, service, pages=PAGES), IreeSession(vmfb, irpa, config, pages=PAGES)]

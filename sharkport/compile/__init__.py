@@ -24,6 +24,11 @@ from ..fileio import atomic_output
 # Buffers of at most 1 GiB keep each weight's offset in its buffer within a 32-bit push constant
 # (an 8B model's weights gather into five).
 MAX_ALLOCATION = 1 << 30
+# Weights as stored (llvm-cpu-lean, GPU targets): by default IREE hoists every expression of
+# weights alone (unpacking a plane's bits, reordering its rows) into an initializer that keeps its
+# result from load on, thousands of them for a K-quant model (docs/devices.md). llvm-cpu keeps
+# the default: it packs the weights at load on purpose.
+_AS_STORED = "--iree-opt-const-expr-hoisting=false"
 _LLVM_CPU_HOST = (
     "--iree-hal-target-device=local",
     "--iree-hal-local-target-device-backends=llvm-cpu",
@@ -44,7 +49,7 @@ CPU_TARGETS: dict[str, tuple[str, ...]] = {
     ),
     # Lean on memory: weights stay as stored (quantized planes, f16) and are dequantized inside
     # every call.
-    "llvm-cpu-lean": _LLVM_CPU_HOST,
+    "llvm-cpu-lean": _LLVM_CPU_HOST + (_AS_STORED,),
 }
 
 # IREE 3.9 has no description of Hopper (sm_90) in its table of CUDA chips, and without one it
@@ -117,7 +122,7 @@ def resolve_target(spec: str) -> Target:
         flags: tuple[str, ...] = (f"--iree-hal-target-device={_SM90_DEVICE}",)
     else:
         flags = (f"--iree-hal-target-device={gpu.device}", f"{gpu.chip_flag}={chip}")
-    return Target(f"{backend}:{chip}", backend, chip, flags)
+    return Target(f"{backend}:{chip}", backend, chip, flags + (_AS_STORED,))
 
 
 def compile_flags(target: str = "llvm-cpu", extra_flags: list[str] | None = None, devices: int = 1) -> list[str]:

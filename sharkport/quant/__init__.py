@@ -179,12 +179,15 @@ def interleaved_rows(type_name: str, planes: dict, ids):
         b = p.shape[1]
         if p.ndim == 3:  # element (block, 4 c + t) of row r at (block, c, r, t) of its group
             size = p.shape[2]
-            offsets = (torch.arange(b).reshape(b, 1, 1) * (size * INTERLEAVED_ROWS)
-                       + torch.arange(size // 4).reshape(1, -1, 1) * (4 * INTERLEAVED_ROWS)
-                       + torch.arange(4).reshape(1, 1, 4)).reshape(-1)
+            offsets = (np.arange(b).reshape(b, 1, 1) * (size * INTERLEAVED_ROWS)
+                       + np.arange(size // 4).reshape(1, -1, 1) * (4 * INTERLEAVED_ROWS)
+                       + np.arange(4).reshape(1, 1, 4)).reshape(-1)
             row_step = 4
         else:  # element block of row r at (block, r)
-            offsets, row_step = torch.arange(b) * INTERLEAVED_ROWS, 1
+            offsets, row_step = np.arange(b) * INTERLEAVED_ROWS, 1
+        # a table, not an arange: IREE 3.9's GPU code generation fails on a gather whose offsets
+        # are computed in the dispatch ('vector.gather' op operand #2 must be vector)
+        offsets = torch.from_numpy(offsets.astype(np.int64))
         start = group * p[:INTERLEAVED_ROWS].numel() + lane * row_step
         rows = p.reshape(-1)[start[..., None] + offsets].reshape(*ids.shape, *p.shape[1:])
         out[name] = _place_fifth_bits(rows, inverse=True) if type_name in FIFTH_BIT_TYPES and name == "qh" else rows
