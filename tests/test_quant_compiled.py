@@ -155,6 +155,18 @@ def mixed_llama_export(mixed_llama):
     return mlir, service, config
 
 
+def test_functions_share_the_dequantization_constants(mixed_llama_export):
+    """prefill and decode name the same constant for the same table, so IREE sees one expression
+    per weight across functions (and llvm-cpu packs each weight once, not once per function)."""
+    import re
+
+    text = mixed_llama_export[0].read_text()
+    blobs = re.findall(r'^\s*[\w.]+: "(0x[0-9A-Fa-f]*)"', text.rpartition("{-#")[2], re.M)
+    used = set(re.findall(r"dense_resource<([\w.]+)>", text))
+    assert len(blobs) == len(set(blobs)) == len(used) > 1
+    assert re.search(r"func.func @prefill_bs1", text) and re.search(r"func.func @decode_bs1", text)
+
+
 @pytest.mark.parametrize("spec", ["llvm-cpu-lean", "cuda:sm_90", "rocm:gfx942", "vulkan"])
 def test_weights_stay_as_stored(mixed_llama_export, spec, tmp_path):
     """The lean CPU and GPU targets keep no load-time copy of any weight: IREE's global

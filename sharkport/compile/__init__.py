@@ -38,7 +38,7 @@ _LLVM_CPU_HOST = (
 )
 CPU_TARGETS: dict[str, tuple[str, ...]] = {
     # Fast on CPU: weights are dequantized (or widened from f16) and packed for the matmul
-    # microkernels when the module loads, at 4 bytes of memory per weight for each exported function.
+    # microkernels once, when the module loads, at 4 bytes of memory per weight.
     # Data tiling from global optimization: IREE 3.9's dispatch-creation path (what
     # --iree-opt-data-tiling picks) fails on attention's batched matmuls with small head dims
     # ('affine.delinearize_index' op no basis element may be statically non-positive).

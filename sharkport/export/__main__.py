@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", type=_target, default="llvm-cpu", metavar="TARGET",
                         help="what --output-vmfb runs on (default llvm-cpu: the host CPU; weights that IREE's "
                              "own code multiplies by (all of them with --no-matvec-kernels) are dequantized and "
-                             "packed at load, 4 bytes each for every exported function, where llvm-cpu-lean keeps them as stored, "
+                             "packed at load, 4 bytes each in memory, where llvm-cpu-lean keeps them as stored, "
                              "slower). "
                              "GPUs: BACKEND or BACKEND:CHIP, " + ", ".join(
                                  f"{b}[:{g.default_chip}]" for b, g in GPU_BACKENDS.items())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -167,8 +168,31 @@ def save_export(output: aot.ExportOutput, service: ServiceConfig,
     _reflect(output, service)
     with atomic_output(mlir_path) as tmp:
         output.save_mlir(tmp)
+        Path(tmp).write_text(share_constants(Path(tmp).read_text()))
     with atomic_output(config_path) as tmp:
         Path(tmp).write_text(json.dumps(service.to_json(), indent=2) + "\n")
+
+
+_RESOURCE = re.compile(r'^\s*([\w.]+): "(0x[0-9A-Fa-f]*)",?$', re.M)
+
+
+def share_constants(mlir: str) -> str:
+    """The MLIR text with each distinct constant (`dense_resource` blob) held once. Every traced
+    function gets its own copy of the dequantization's small tables from the importer, which
+    makes each function's dequantization of a weight a different expression to IREE: llvm-cpu
+    then packs every weight once per function rather than once (docs/performance.md)."""
+    body, marker, resources = mlir.rpartition("{-#")
+    if not marker:
+        return mlir
+    first: dict[str, str] = {}
+    name_of = {name: first.setdefault(blob, name) for name, blob in _RESOURCE.findall(resources)}
+    body = re.sub(r"dense_resource<([\w.]+)>", lambda m: f"dense_resource<{name_of.get(m[1], m[1])}>", body)
+    kept = [f'      {name}: "{blob}"' for blob, name in first.items()]
+    lines = resources.splitlines()
+    entries = [i for i, line in enumerate(lines) if _RESOURCE.match(line)]
+    if entries and entries[-1] - entries[0] + 1 == len(entries):  # one block of blobs: drop the copies
+        lines[entries[0]:entries[-1] + 1] = [",\n".join(kept)]
+    return body + marker + "\n".join(lines) + ("\n" if resources.endswith("\n") else "")
 
 
 def _reflect(output: aot.ExportOutput, service: ServiceConfig) -> None:
