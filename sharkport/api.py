@@ -76,8 +76,8 @@ class TextGenerator:
         """A GGUF (or .irpa) imported, exported and compiled on first use; the artifacts are kept
         in `cache_dir` (default $SHARKPORT_CACHE or ~/.cache/sharkport) under a key of the file's
         path, size and mtime and the export settings, and reused by later calls.
-        `export` is an ExportConfig (default: batch sizes 1 and 4, max_seq_len 2048); `target` is
-        export's --target (`llvm-cpu`, `cuda:sm_90`, `rocm:gfx942`, ...: docs/devices.md), and
+        `export` is an ExportConfig (default: batch sizes 1 and 4, max_seq_len 2048; its
+        dequant_in_products follows the target); `target` is export's --target (`llvm-cpu`, `cuda:sm_90`, `rocm:gfx942`, ...: docs/devices.md), and
         `device` defaults to the first device of the module's kind."""
         vmfb, irpa, config = build_artifacts(path, cache_dir, export, target, log)
         return cls.from_files(vmfb, irpa, config, pages=pages, device=device)
@@ -203,12 +203,14 @@ def _cache_root(cache_dir: str | os.PathLike | None) -> Path:
 def build_artifacts(path: str | os.PathLike, cache_dir=None, export=None, target: str = "llvm-cpu",
                     log=None) -> tuple[Path, Path, Path]:
     """(vmfb, irpa, config json) for a GGUF or .irpa, made once and cached (see from_gguf)."""
+    from .compile import resolve_target
     from .export.abi import ExportConfig
 
     source = Path(path)
     if not source.is_file():
         raise SharkportError(f"{source}: no such file; give a .gguf or .irpa model file")
-    export = export or ExportConfig(bs_prefill=(1, 4), bs_decode=(1, 4), max_seq_len=2048)
+    export = dataclasses.replace(export or ExportConfig(bs_prefill=(1, 4), bs_decode=(1, 4), max_seq_len=2048),
+                                 dequant_in_products=resolve_target(target).as_stored)
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     st = source.stat()
     key = json.dumps({"path": str(source.resolve()), "size": st.st_size, "mtime": st.st_mtime_ns,

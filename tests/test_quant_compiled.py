@@ -1,5 +1,6 @@
 """Every ggml type through the compiled module: the planes are read from the archive as external
-parameters and dequantized inside the IREE program, bit-for-bit as gguf.quants does; and a tiny
+parameters and dequantized inside the IREE program, bit-for-bit as gguf.quants does; one row by a
+Q8_0, Q4_0 or Q4_1 matrix as stored is one dispatch that matches gguf.quants' values; and a tiny
 llama whose matrices each use a different type compiles and matches the eager recipe."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from sharkport.archive import Dataset, QuantizedTensor, import_gguf
 from sharkport.compile import compile_mlir
 from sharkport.export import ExportConfig, export_model, externalize, save_export
 from sharkport.models import ModelConfig, build_model
-from sharkport.quant import BLOCK_TYPES
+from sharkport.quant import BLOCK_TYPES, product_op
 from sharkport.runtime.eager import EagerSession
 from sharkport.runtime.session import IreeSession
 
@@ -88,6 +89,66 @@ def test_compiled_dequant_is_bit_exact(dequant_module, type_name):
     got = _run_iree(vmfb, irpa, f"dequant_{type_name}", ids)
     assert got.dtype == np.float32 and got.shape == SHAPE
     np.testing.assert_array_equal(got.view(np.uint32), expected[ids].view(np.uint32))
+
+
+PRODUCT_SHAPE = (24, 512)  # three groups of eight interleaved rows
+
+
+@pytest.fixture(scope="module")
+def product_module(tmp_path_factory):
+    """A GGUF with a matrix of each of product_op.TYPES → .irpa (rows interleaved) → the MLIR of
+    `product_<type>(x)`: one row x [1, K] times the external matrix, through product_op."""
+    root = tmp_path_factory.mktemp("product")
+    rng = np.random.default_rng(5)
+    tensors = {f"w.{t}": (t, PRODUCT_SHAPE, random_blocks(t, PRODUCT_SHAPE, rng)) for t in product_op.TYPES}
+    gguf_path = write_gguf(root / "w.gguf", tensors)
+    irpa = root / "w.irpa"
+    import_gguf(gguf_path, irpa, progress=False)
+    dataset = Dataset.load(irpa)
+    externalize(dataset)
+    fxb = FxProgramsBuilder(torch.nn.Module())
+    x = torch.zeros(1, PRODUCT_SHAPE[1])
+    for t in product_op.TYPES:
+        w = dataset.theta[f"w.{t}"]
+        assert product_op.applies(x, w)
+
+        @fxb.export_program(name=f"product_{t}", args=(x,), strict=False)
+        def _product(module, rows, w=w):
+            return product_op.product(rows, w)
+
+    mlir = root / "w.mlir"
+    with torch.no_grad():
+        aot.export(fxb).save_mlir(mlir)
+    return gguf_path, irpa, mlir
+
+
+@pytest.mark.parametrize("spec", ["llvm-cpu-lean", "cuda:sm_90", "rocm:gfx942", "vulkan"])
+def test_one_row_product_is_one_dispatch(product_module, spec, tmp_path):
+    """The dequantization and the product share a dispatch on every target that keeps the weights
+    as stored, where the two apart write the whole matrix in float32 and read it back."""
+    _, _, mlir = product_module
+    flow = tmp_path / "flow.mlir"
+    compile_mlir(mlir, flow, spec, ["--compile-to=flow"])
+    text = flow.read_text()
+    for t in product_op.TYPES:
+        body = text.split(f"@product_{t}$async(", 1)[1].split("util.return", 1)[0]
+        assert body.count("flow.dispatch @") == 1, t
+    compile_mlir(mlir, tmp_path / "w.vmfb", spec)
+
+
+@pytest.mark.parametrize("type_name", _params(product_op.TYPES))
+def test_one_row_product_matches_gguf_quants(product_module, type_name, tmp_path):
+    gguf_path, irpa, mlir = product_module
+    vmfb = tmp_path / "w.vmfb"
+    compile_mlir(mlir, vmfb, "llvm-cpu-lean")
+    reader = gguf.GGUFReader(gguf_path)
+    t = next(t for t in reader.tensors if t.name == f"w.{type_name}")
+    w = quants.dequantize(t.data, t.tensor_type).reshape(PRODUCT_SHAPE).astype(np.float64)
+    x = np.random.default_rng(9).standard_normal((1, PRODUCT_SHAPE[1])).astype(np.float32)
+    got = _run_iree(vmfb, irpa, f"product_{type_name}", x)
+    expected = x.astype(np.float64) @ w.T
+    assert got.shape == (1, PRODUCT_SHAPE[0])
+    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,8 +248,26 @@ def test_weights_stay_as_stored(mixed_llama_export, spec, tmp_path):
 @pytest.mark.extended  # every type is compiled by test_compiled_dequant_is_bit_exact already
 @pytest.mark.parametrize("spec", ["llvm-cpu", "llvm-cpu-lean"])
 def test_mixed_type_llama_compiled_matches_eager(mixed_llama, mixed_llama_export, spec, tmp_path):
-    _, irpa = mixed_llama
     mlir, service, config = mixed_llama_export
+    _compiled_matches_eager(mixed_llama[1], mlir, service, config, spec, tmp_path)
+
+
+def test_stored_products_match_eager(mixed_llama, tmp_path):
+    """Exported for a target that keeps the weights as stored, the tiny llama's decode takes its
+    one-row products by the Q8_0, Q4_0 and Q4_1 matrices through product_op (one for each), and
+    its lean CPU module matches the eager recipe."""
+    import dataclasses
+    import re
+
+    root, irpa = mixed_llama
+    output, service = export_model(Dataset.load(irpa), dataclasses.replace(EXPORT, dequant_in_products=True))
+    mlir, config = tmp_path / "m.mlir", tmp_path / "m.json"
+    save_export(output, service, mlir, config)
+    assert len(set(re.findall(r"util.func private @(sharkport_product_\w+)", mlir.read_text()))) == 3
+    _compiled_matches_eager(irpa, mlir, service, config, "llvm-cpu-lean", tmp_path)
+
+
+def _compiled_matches_eager(irpa, mlir, service, config, spec: str, tmp_path) -> None:
     vmfb = tmp_path / "m.vmfb"
     compile_mlir(mlir, vmfb, spec)
 

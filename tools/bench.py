@@ -73,7 +73,7 @@ import shaped_gguf
 
 from sharkport import kernels
 from sharkport.archive import Dataset, QuantizedTensor, import_gguf, save_dataset
-from sharkport.compile import compile_flags, compile_mlir
+from sharkport.compile import compile_flags, compile_mlir, resolve_target
 from sharkport.export import ExportConfig, export_model, save_export
 from sharkport.models import ModelConfig
 from sharkport.packaged import packaged_gguf
@@ -329,7 +329,8 @@ def main() -> None:
     if args.rounds < 1 or args.loads < 1:
         parser.error("--rounds and --loads take a whole number of at least 1")
     types = (args.types or MODELS[args.model][2]).split(",")
-    export = dataclasses.replace(EXPORT, matvec_kernels=not args.no_matvec_kernels)
+    export = dataclasses.replace(EXPORT, matvec_kernels=not args.no_matvec_kernels,
+                                 dequant_in_products=resolve_target(args.target).as_stored)  # as `export` does
     model = dataclasses.replace(MODEL, kv_cache_dtype=getattr(torch, args.kv_cache_dtype))
     kv = KV_SUFFIX[args.kv_cache_dtype]
     w = args.work_dir

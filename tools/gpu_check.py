@@ -53,7 +53,7 @@ def prepare(directory: Path, target: str, python_version: str) -> None:
     import gguf
 
     from sharkport.archive import Dataset, import_gguf
-    from sharkport.compile import compile_mlir
+    from sharkport.compile import compile_mlir, resolve_target
     from sharkport.export import export_model, save_export
     from sharkport.export.abi import ExportConfig
     from sharkport.packaged import packaged_gguf
@@ -73,7 +73,9 @@ def prepare(directory: Path, target: str, python_version: str) -> None:
         gguf_path = rebuild(directory, name, work)
         irpa = work / "model.irpa"
         import_gguf(gguf_path, irpa, progress=False)
-        output, service = export_model(Dataset.load(irpa), ExportConfig(**EXPORT))
+        # as `sharkport export --target` exports for it (the CPU reference module compiles from it too)
+        config = ExportConfig(**EXPORT, dequant_in_products=resolve_target(target).as_stored)
+        output, service = export_model(Dataset.load(irpa), config)
         save_export(output, service, work / "model.mlir", directory / f"{name}.json")
         for kind, tgt, extra in (("gpu", target, []), ("cpu", "llvm-cpu", CPU_FLAGS)):
             t0 = time.perf_counter()

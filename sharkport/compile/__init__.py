@@ -100,6 +100,11 @@ class Target:
     def gpu(self) -> bool:
         return self.backend in GPU_BACKENDS
 
+    @property
+    def as_stored(self) -> bool:
+        """Whether the module keeps the weights as stored (llvm-cpu-lean, the GPU presets)."""
+        return _AS_STORED in self.flags
+
 
 TARGET_NAMES = (*CPU_TARGETS, *(f"{b}[:chip]" for b in GPU_BACKENDS))
 

@@ -73,7 +73,7 @@ def export_files(source: Path, output_mlir: Path, output_config: Path, output_vm
         max_seq_len = LlamaHParams.from_metadata(dataset.hparams).context_length // stride * stride
     config = ExportConfig(bs_prefill=bs_prefill, bs_decode=bs_decode, block_seq_stride=stride,
                           device_block_count=device_block_count, max_seq_len=max_seq_len,
-                          matvec_kernels=matvec_kernels)
+                          matvec_kernels=matvec_kernels, dequant_in_products=resolve_target(target).as_stored)
     model_config = ModelConfig(block_seq_stride=stride, dtype=getattr(torch, activation_dtype),
                                kv_cache_dtype=getattr(torch, kv_cache_dtype),
                                prefill_final_logits=prefill_final_logits)

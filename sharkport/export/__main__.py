@@ -63,14 +63,16 @@ def main(argv: list[str] | None = None) -> int:
                              "MLIR then compiles only for x86-64 CPUs. Default: on for a CPU target on one device "
                              "where the exporting host is x86-64 with a C compiler on PATH, else off; --no-matvec-kernels: IREE's code only")
     parser.add_argument("--target", type=_target, default="llvm-cpu", metavar="TARGET",
-                        help="what --output-vmfb runs on (default llvm-cpu: the host CPU; weights that IREE's "
+                        help="what the export and --output-vmfb are for (default llvm-cpu: the host CPU; weights that IREE's "
                              "own code multiplies by (all of them with --no-matvec-kernels) are dequantized and "
                              "packed at load, 4 bytes each in memory, where llvm-cpu-lean keeps them as stored, "
                              "slower). "
                              "GPUs: BACKEND or BACKEND:CHIP, " + ", ".join(
                                  f"{b}[:{g.default_chip}]" for b, g in GPU_BACKENDS.items())
                              + " (the chip in brackets is the default; docs/devices.md); weights stay as stored "
-                               "in device memory and are dequantized in each call")
+                               "in device memory and are dequantized in each call. For llvm-cpu-lean and the GPUs, "
+                               "decode's products of one row by Q8_0/Q4_0/Q4_1 weights dequantize inside the product, "
+                               "one dispatch each")
     add_verbose(parser)
     args, extra = parser.parse_known_args(argv)
     unknown = [f for f in extra if not f.startswith("--iree-")]

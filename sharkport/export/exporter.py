@@ -21,6 +21,7 @@ from ..models import CausalLM, ModelConfig, build_model
 from ..quant import plane_key
 from .blocks import BlockTracer, export_block, programs
 from .kernels import use_kernels
+from .stored import use_stored_products
 from .abi import (REFLECTION_KEY, ExportConfig, ServiceConfig, dtype_name, dynamic_shapes, example_args,
                   module_facts)
 
@@ -76,11 +77,13 @@ def trace_programs(model: CausalLM, config: ExportConfig, program_args) -> aot.E
     """Traces `model`'s prefill_bs{N} and decode_bs{N} for the config's batch sizes into one MLIR
     module. `program_args(kind, bs)` gives each function's example args, dynamic shapes and
     argument devices (None: one device). With `config.matvec_kernels`, the model's layers are
-    swapped for the kernels' (export.kernels.use_kernels).
+    swapped for the kernels' (export.kernels.use_kernels); else with `config.dequant_in_products`,
+    its products of one row (export.stored.use_stored_products).
 
     Unless `config.unroll_blocks`, the model's blocks are traced once per function and structure
     and called for every layer (sharkport.export.blocks)."""
-    transform = use_kernels if config.matvec_kernels else (lambda module: module)
+    transform = (use_kernels if config.matvec_kernels else use_stored_products if config.dequant_in_products
+                 else (lambda module: module))
     model = transform(model)
     tracer = None if config.unroll_blocks else BlockTracer(model, transform)
     fxb = FxProgramsBuilder(model)
