@@ -1,6 +1,6 @@
 """Every ggml type through the compiled module: the planes are read from the archive as external
 parameters and dequantized inside the IREE program, bit-for-bit as gguf.quants does; one row by a
-Q8_0, Q4_0 or Q4_1 matrix as stored is one dispatch that matches gguf.quants' values; and a tiny
+matrix of a type quant.product_op takes is one dispatch that matches gguf.quants' values; and a tiny
 llama whose matrices each use a different type compiles and matches the eager recipe."""
 
 from __future__ import annotations
@@ -254,8 +254,8 @@ def test_mixed_type_llama_compiled_matches_eager(mixed_llama, mixed_llama_export
 
 def test_stored_products_match_eager(mixed_llama, tmp_path):
     """Exported for a target that keeps the weights as stored, the tiny llama's decode takes its
-    one-row products by the Q8_0, Q4_0 and Q4_1 matrices through product_op (one for each), and
-    its lean CPU module matches the eager recipe."""
+    one-row products by the Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 matrices through product_op (one for
+    each), and its lean CPU module matches the eager recipe."""
     import dataclasses
     import re
 
@@ -263,7 +263,7 @@ def test_stored_products_match_eager(mixed_llama, tmp_path):
     output, service = export_model(Dataset.load(irpa), dataclasses.replace(EXPORT, dequant_in_products=True))
     mlir, config = tmp_path / "m.mlir", tmp_path / "m.json"
     save_export(output, service, mlir, config)
-    assert len(set(re.findall(r"util.func private @(sharkport_product_\w+)", mlir.read_text()))) == 3
+    assert len(set(re.findall(r"util.func private @(sharkport_product_\w+)", mlir.read_text()))) == len(product_op.TYPES)
     _compiled_matches_eager(irpa, mlir, service, config, "llvm-cpu-lean", tmp_path)
 
 

@@ -71,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
                                  f"{b}[:{g.default_chip}]" for b, g in GPU_BACKENDS.items())
                              + " (the chip in brackets is the default; docs/devices.md); weights stay as stored "
                                "in device memory and are dequantized in each call. For llvm-cpu-lean and the GPUs, "
-                               "decode's products of one row by Q8_0/Q4_0/Q4_1 weights dequantize inside the product, "
-                               "one dispatch each")
+                               "decode's products of one row by Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 weights dequantize inside "
+                               "the product, one dispatch each")
     add_verbose(parser)
     args, extra = parser.parse_known_args(argv)
     unknown = [f for f in extra if not f.startswith("--iree-")]

@@ -31,9 +31,9 @@ class ExportConfig:
     # the products (every quantized weight type, F16 and BF16) and attention through sharkport.kernels
     # (x86-64 CPUs)
     matvec_kernels: bool = False
-    # where the kernels do not: a product of one row by a Q8_0, Q4_0 or Q4_1 matrix dequantizes its
-    # weights inside the product (export.stored), for targets that keep the weights as stored
-    # (compile.Target.as_stored); llvm-cpu packs them at load and multiplies them faster apart
+    # where the kernels do not: a product of one row by a Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1 matrix
+    # dequantizes its weights inside the product (export.stored), for targets that keep the weights
+    # as stored (compile.Target.as_stored); llvm-cpu packs them at load and multiplies them faster apart
     dequant_in_products: bool = False
     # trace every layer's transformer block (the slow path, for comparison); by default a recipe's
     # blocks are traced once per function and called for every layer (export/blocks.py)

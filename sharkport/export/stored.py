@@ -1,7 +1,8 @@
 """Export for targets that keep the weights as stored (ExportConfig.dequant_in_products:
 llvm-cpu-lean and the GPU presets): `use_stored_products(model)` swaps the model's products for
-modules that multiply one row by a Q8_0, Q4_0 or Q4_1 matrix in one traced op dequantizing the
-weights inside the product (quant.product_op), and compute as the plain module elsewhere."""
+modules that multiply one row by a Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1 matrix in one traced op
+dequantizing the weights inside the product (quant.product_op), and compute as the plain module
+elsewhere."""
 
 from __future__ import annotations
 
