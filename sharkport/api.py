@@ -77,8 +77,9 @@ class TextGenerator:
         in `cache_dir` (default $SHARKPORT_CACHE or ~/.cache/sharkport) under a key of the file's
         path, size and mtime and the export settings, and reused by later calls.
         `export` is an ExportConfig (default: batch sizes 1 and 4, max_seq_len 2048; its
-        dequant_in_products follows the target); `target` is export's --target (`llvm-cpu`, `cuda:sm_90`, `rocm:gfx942`, ...: docs/devices.md), and
-        `device` defaults to the first device of the module's kind."""
+        dequant_in_products follows the target); `target` is export's --target (`llvm-cpu`,
+        `cuda:sm_90`, `rocm:gfx942`, ...: docs/devices.md), and `device` defaults to the first
+        device of the module's kind."""
         vmfb, irpa, config = build_artifacts(path, cache_dir, export, target, log)
         return cls.from_files(vmfb, irpa, config, pages=pages, device=device)
 

@@ -47,6 +47,24 @@ def _run_iree(vmfb, irpa, fn_name: str, *args) -> np.ndarray:
     return np.array(result.to_host(), copy=True)  # to_host() is a view of a buffer we drop
 
 
+def _external_archive(root, name: str, shape, types, seed: int):
+    """A GGUF with a tensor `{name}.{type}` of random blocks for each of `types` → an .irpa →
+    (gguf path, irpa path, its Dataset with the tensors as external parameters)."""
+    rng = np.random.default_rng(seed)
+    gguf_path = write_gguf(root / f"{name}.gguf", {f"{name}.{t}": (t, shape, random_blocks(t, shape, rng)) for t in types})
+    irpa = root / f"{name}.irpa"
+    import_gguf(gguf_path, irpa, progress=False)
+    dataset = Dataset.load(irpa)
+    externalize(dataset)
+    return gguf_path, irpa, dataset
+
+
+def _save(fxb: FxProgramsBuilder, mlir):
+    with torch.no_grad():
+        aot.export(fxb).save_mlir(mlir)
+    return mlir
+
+
 @pytest.fixture(scope="module", params=["llvm-cpu", "llvm-cpu-lean"])
 def dequant_module(request, tmp_path_factory):
     """A GGUF with one tensor per block type → .irpa → a module with `dequant_<type>(rows)`
@@ -54,14 +72,7 @@ def dequant_module(request, tmp_path_factory):
     llvm-cpu, which may unpack the planes at load, and for llvm-cpu-lean, which reads them as
     stored in every call."""
     root = tmp_path_factory.mktemp("dequant")
-    rng = np.random.default_rng(7)
-    tensors = {f"t.{t}": (t, SHAPE, random_blocks(t, SHAPE, rng)) for t in QUANT_TYPES}
-    gguf_path = write_gguf(root / "types.gguf", tensors)
-    irpa = root / "types.irpa"
-    import_gguf(gguf_path, irpa, progress=False)
-
-    dataset = Dataset.load(irpa)
-    externalize(dataset)
+    gguf_path, irpa, dataset = _external_archive(root, "t", SHAPE, QUANT_TYPES, seed=7)
     fxb = FxProgramsBuilder(torch.nn.Module())
     rows = torch.zeros(SHAPE[0], dtype=torch.int64)
     for t in QUANT_TYPES:
@@ -72,10 +83,8 @@ def dequant_module(request, tmp_path_factory):
         def _dequant(module, ids, w=w):
             return w.rows(ids)
 
-    mlir, vmfb = root / "types.mlir", root / "types.vmfb"
-    with torch.no_grad():
-        aot.export(fxb).save_mlir(mlir)
-    compile_mlir(mlir, vmfb, request.param)
+    vmfb = root / "types.vmfb"
+    compile_mlir(_save(fxb, root / "types.mlir"), vmfb, request.param)
     return gguf_path, irpa, vmfb
 
 
@@ -99,13 +108,7 @@ def product_module(tmp_path_factory):
     """A GGUF with a matrix of each of product_op.TYPES → .irpa (rows interleaved) → the MLIR of
     `product_<type>(x)`: one row x [1, K] times the external matrix, through product_op."""
     root = tmp_path_factory.mktemp("product")
-    rng = np.random.default_rng(5)
-    tensors = {f"w.{t}": (t, PRODUCT_SHAPE, random_blocks(t, PRODUCT_SHAPE, rng)) for t in product_op.TYPES}
-    gguf_path = write_gguf(root / "w.gguf", tensors)
-    irpa = root / "w.irpa"
-    import_gguf(gguf_path, irpa, progress=False)
-    dataset = Dataset.load(irpa)
-    externalize(dataset)
+    gguf_path, irpa, dataset = _external_archive(root, "w", PRODUCT_SHAPE, product_op.TYPES, seed=5)
     fxb = FxProgramsBuilder(torch.nn.Module())
     x = torch.zeros(1, PRODUCT_SHAPE[1])
     for t in product_op.TYPES:
@@ -116,10 +119,16 @@ def product_module(tmp_path_factory):
         def _product(module, rows, w=w):
             return product_op.product(rows, w)
 
-    mlir = root / "w.mlir"
-    with torch.no_grad():
-        aot.export(fxb).save_mlir(mlir)
-    return gguf_path, irpa, mlir
+    return gguf_path, irpa, _save(fxb, root / "w.mlir")
+
+
+@pytest.fixture(scope="module")
+def product_lean(product_module):
+    """product_module compiled for llvm-cpu-lean: (gguf path, irpa path, vmfb)."""
+    gguf_path, irpa, mlir = product_module
+    vmfb = mlir.with_suffix(".vmfb")
+    compile_mlir(mlir, vmfb, "llvm-cpu-lean")
+    return gguf_path, irpa, vmfb
 
 
 @pytest.mark.parametrize("spec", ["llvm-cpu-lean", "cuda:sm_90", "rocm:gfx942", "vulkan"])
@@ -137,10 +146,8 @@ def test_one_row_product_is_one_dispatch(product_module, spec, tmp_path):
 
 
 @pytest.mark.parametrize("type_name", _params(product_op.TYPES))
-def test_one_row_product_matches_gguf_quants(product_module, type_name, tmp_path):
-    gguf_path, irpa, mlir = product_module
-    vmfb = tmp_path / "w.vmfb"
-    compile_mlir(mlir, vmfb, "llvm-cpu-lean")
+def test_one_row_product_matches_gguf_quants(product_lean, type_name):
+    gguf_path, irpa, vmfb = product_lean
     reader = gguf.GGUFReader(gguf_path)
     t = next(t for t in reader.tensors if t.name == f"w.{type_name}")
     w = quants.dequantize(t.data, t.tensor_type).reshape(PRODUCT_SHAPE).astype(np.float64)

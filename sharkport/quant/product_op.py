@@ -57,12 +57,11 @@ def _body(type_name: str, name: str, m: int, g: int, b: int) -> str:
         operands.append(operand("%shifts", "tensor<2xi8>", "h"))
         block_args = ["%x: i8", "%sh: i8"]
         constants = "    %shifts = arith.constant dense<[0, 4]> : tensor<2xi8>\n"
-        field = """
+        nibble = "%lo" if "qh" in planes else "%q"  # Q5's value is its nibble and fifth bit
+        field = f"""
       %s = arith.shrui %x, %sh : i8
-      %c15 = arith.constant 15 : i8"""
-        field += """
-      %q = arith.andi %s, %c15 : i8""" if "qh" not in planes else """
-      %lo = arith.andi %s, %c15 : i8"""
+      %c15 = arith.constant 15 : i8
+      {nibble} = arith.andi %s, %c15 : i8"""
     if "qh" in planes:  # value 16 h + 4 c + t's fifth bit is bit 2 c + h of byte t (FIFTH_BIT_TYPES)
         operands += [operand("%qh", qh_type, "g, b, r, t"), operand("%bits", "tensor<2x4xi8>", "h, c")]
         block_args += ["%hx: i8", "%bit: i8"]
